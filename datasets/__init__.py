@@ -1,0 +1,19 @@
+"""feedbench's datasets, one registry keyed by the names of `conf/dataset/*.yaml`.
+
+This package is `datasets` at the top level of the project. Hugging Face's `datasets`
+distribution uses the same import name; `trainer` checks at import time that this one is
+the package it got (see `trainer/__init__.py`).
+"""
+
+from datasets.base import FeedDataset
+
+FEEDBENCH = True  # marks this package as feedbench's own, not Hugging Face's
+
+
+def build_dataset(cfg) -> FeedDataset:
+    """Build the dataset named by `cfg.name` from its own config section."""
+    from datasets.synthetic import SyntheticDataset
+    from datasets.vision import Cifar10, Mnist
+
+    registry = {"synthetic": SyntheticDataset, "mnist": Mnist, "cifar10": Cifar10}
+    return registry[cfg.name](cfg)

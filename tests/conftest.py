@@ -1,0 +1,55 @@
+"""Shared fixtures: the real config composed through Hydra, shrunk to CPU and a few steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from mlflow.tracking import MlflowClient
+
+import trainer.config  # noqa: F401  (registers the schemas)
+from trainer.config import PROJECT_ROOT
+
+CONF_DIR = str(PROJECT_ROOT / "conf")
+TINY = ["dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.epochs=1",
+        "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
+
+
+def compose_config(*overrides: str):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+@pytest.fixture
+def tracking_uri(tmp_path: Path) -> str:
+    """A fresh sqlite MLflow store for one test."""
+    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+
+
+@pytest.fixture
+def tiny_cfg(tracking_uri):
+    """`tiny_cfg(*overrides)`: the composed config at tiny size on CPU, tracked in a temp DB."""
+    def make(*overrides: str):
+        return compose_config(*TINY, f"tracking.uri={tracking_uri}", *overrides)
+    return make
+
+
+@pytest.fixture
+def runs(tracking_uri):
+    """`runs()`: every run in the temp store, newest first."""
+    def read(experiment: str = "feedbench"):
+        client = MlflowClient(tracking_uri)
+        exp = client.get_experiment_by_name(experiment)
+        return client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"]) if exp else []
+    return read
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,21 @@
+"""feedbench: measure how a PyTorch training loop feeds batches from host memory to the GPU."""
+
+
+def _check_datasets_package() -> None:
+    # Hugging Face's `datasets` distribution owns the same top-level name as our `datasets/`.
+    # Importing the wrong one would fail far from here with a confusing error; fail now instead.
+    from pathlib import Path
+    import importlib.util
+
+    ours = Path(__file__).resolve().parent.parent / "datasets"
+    spec = importlib.util.find_spec("datasets")
+    origin = Path(spec.origin).resolve().parent if spec and spec.origin else None
+    if origin != ours:
+        raise ImportError(
+            f"'import datasets' resolves to {origin} instead of feedbench's {ours} "
+            "(Hugging Face's `datasets` is installed in this environment): run from the project root, "
+            "or install feedbench in its own virtual environment"
+        )
+
+
+_check_datasets_package()

@@ -1,0 +1,199 @@
+"""Typed config schemas, registered in Hydra's ConfigStore.
+
+Every YAML option in `conf/<group>/` starts from the schema stored at `schema/<group>/<name>`,
+so a typo (`loader.pin_memroy=true`) or a wrong type (`loader.batch_size=abc`) fails when Hydra
+composes the config, before anything runs. Each component later receives only its own section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- datasets
+@dataclass
+class DatasetConfig:
+    """Common to every dataset."""
+
+    name: str = MISSING
+    seed: int = 0  # seeds data generation (synthetic) and fixed labels
+
+
+@dataclass
+class SyntheticConfig(DatasetConfig):
+    """Seed 000's random 'big chunk': `num_samples` samples split into `chunks` loads from disk."""
+
+    name: str = "synthetic"
+    num_samples: int = 1000  # samples in the whole dataset (all chunks)
+    shape: List[int] = field(default_factory=lambda: [256, 256])  # one sample's shape
+    dtype: str = "float32"  # float32 | float16 | bfloat16 | uint8
+    chunks: int = 1  # the data is 'loaded from disk' in this many chunks
+    batches_per_chunk: int = 0  # iterable view: batches drawn per chunk (0 = one pass)
+    load_ms: float = 0.0  # simulated disk-read time per chunk
+    num_classes: int = 10  # a fixed random label per sample (for the MLP)
+
+
+@dataclass
+class VisionConfig(DatasetConfig):
+    """A torchvision dataset read from `root` (downloaded there when `download=true`)."""
+
+    root: str = str(PROJECT_ROOT / "data")
+    download: bool = True
+    train: bool = True  # which split
+    num_samples: int = 0  # use only the first N samples (0 = the whole split)
+
+
+@dataclass
+class MnistConfig(VisionConfig):
+    name: str = "mnist"
+
+
+@dataclass
+class Cifar10Config(VisionConfig):
+    name: str = "cifar10"
+    verify_md5: bool = True  # false accepts re-packed batch files (with a warning)
+
+
+# ----------------------------------------------------------------------------- loaders
+@dataclass
+class LoaderConfig:
+    """Common to every loader strategy."""
+
+    name: str = MISSING
+    batch_size: int = 64
+    shuffle: bool = True
+    drop_last: bool = False
+    num_workers: int = 0  # DataLoader worker processes (DataLoader-based strategies)
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (None = torch default)
+    persistent_workers: bool = False  # keep workers alive between epochs
+
+
+@dataclass
+class BaselineConfig(LoaderConfig):
+    name: str = "baseline"
+
+
+@dataclass
+class PinnedConfig(LoaderConfig):
+    name: str = "pinned"
+
+
+@dataclass
+class PrefetchConfig(LoaderConfig):
+    name: str = "prefetch"
+    depth: int = 1  # batches copied ahead on the side stream
+
+
+@dataclass
+class PinnedChunkConfig(LoaderConfig):
+    name: str = "pinned_chunk"
+    depth: int = 1  # slices copied ahead on the side stream
+    shuffle_rows: bool = False  # also permute the rows of each chunk once, when it is loaded
+
+
+@dataclass
+class GpuResidentConfig(LoaderConfig):
+    name: str = "gpu_resident"
+
+
+# ----------------------------------------------------------------------------- models
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    busy_ms: float = 0.0  # extra fixed device-side work per step (compute emulation)
+
+
+@dataclass
+class AutoencoderConfig(ModelConfig):
+    """Seed 000's autoencoder: input -> hidden -> bottleneck -> hidden -> input."""
+
+    name: str = "autoencoder"
+    hidden: int = 64
+    bottleneck: int = 3
+
+
+@dataclass
+class MlpConfig(ModelConfig):
+    """Seed 003's classifier: flatten -> hidden -> classes."""
+
+    name: str = "mlp"
+    hidden: int = 512
+
+
+@dataclass
+class NoopConfig(ModelConfig):
+    """Forward and backward do nothing: only the data feed is measured."""
+
+    name: str = "noop"
+
+
+# ----------------------------------------------------------------------------- run
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"  # adam | sgd | adamw
+    lr: float = 1e-3
+
+
+@dataclass
+class EngineConfig:
+    device: str = "auto"  # auto | cpu | cuda
+    seed: int = 0  # model init and shuffling
+    epochs: int = 3
+    max_steps: int = 0  # stop after this many steps (0 = no cap)
+    warmup_steps: int = 5  # excluded from the summaries
+    verify: bool = False  # checksum every batch on the device (tag data_checksum)
+    progress: bool = True  # tqdm bar on stderr (only on a terminal)
+    cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
+    profile: bool = False  # torch.profiler trace of a few steady-state steps
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass
+class TrackingConfig:
+    uri: Optional[str] = None  # MLflow tracking URI (None = sqlite outputs/mlflow.db)
+    experiment: str = "feedbench"
+    run_name: Optional[str] = None
+    system_metrics: bool = False
+
+
+@dataclass
+class Config:
+    dataset: Any = MISSING
+    loader: Any = MISSING
+    model: Any = MISSING
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+SCHEMAS = {
+    "dataset": {"synthetic": SyntheticConfig, "mnist": MnistConfig, "cifar10": Cifar10Config},
+    "loader": {
+        "baseline": BaselineConfig,
+        "pinned": PinnedConfig,
+        "prefetch": PrefetchConfig,
+        "pinned_chunk": PinnedChunkConfig,
+        "gpu_resident": GpuResidentConfig,
+    },
+    "model": {"autoencoder": AutoencoderConfig, "mlp": MlpConfig, "noop": NoopConfig},
+}
+
+
+def register() -> None:
+    """Store every schema; YAML options pull theirs in with `- /schema/<group>/<name>@_here_`."""
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, options in SCHEMAS.items():
+        for name, node in options.items():
+            cs.store(group=f"schema/{group}", name=name, node=node)
+    if not OmegaConf.has_resolver("project_root"):
+        OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+
+
+register()

@@ -1,0 +1,82 @@
+"""What every loader strategy shares: a plain iterable of device-ready `(x, y)` batches."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from datasets.base import FeedDataset
+from trainer.loaders.order import EpochSampler
+
+Batch = Tuple[torch.Tensor, torch.Tensor]
+
+
+class DeviceLoader:
+    """Base class. Iterating yields `(x, y)` already on `device`, ready for the model.
+
+    Works in any training loop (`for x, y in loader: ...`). Strategies know nothing about
+    timing: a meter may set `copy_probe`, which is told where each host->device copy starts
+    and ends (one copy per batch, in the order the batches are yielded).
+    """
+
+    needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
+
+    def __init__(self, cfg, dataset: FeedDataset, device: torch.device, seed: int = 0):
+        self.cfg, self.dataset, self.device, self.seed = cfg, dataset, torch.device(device), seed
+        self.on_cuda = self.device.type == "cuda"
+        self.setup_s = 0.0  # one-time cost paid before the first batch (pinning, uploading)
+        self.pinned_bytes = 0  # page-locked host memory this loader holds
+        self.copy_probe = None
+
+    @property
+    def degraded(self) -> bool:
+        return self.needs_cuda and not self.on_cuda
+
+    def __len__(self) -> int:
+        n, b = len(self.dataset), self.cfg.batch_size
+        return n // b if self.cfg.drop_last else math.ceil(n / b)
+
+    def __iter__(self) -> Iterator[Batch]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release workers, threads and buffers (also called on interrupt)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- helpers for subclasses --------------------------------------------------------------
+    def _copy(self, batch: Batch, non_blocking: bool) -> Batch:
+        """Copy a host batch to the device on the current stream, reporting it to the probe."""
+        stream = torch.cuda.current_stream(self.device) if self.on_cuda else None
+        probe = self.copy_probe if stream is not None else None
+        if probe is not None:
+            probe.copy_begin(stream)
+        out = tuple(t.to(self.device, non_blocking=non_blocking) for t in batch)
+        if probe is not None:
+            probe.copy_end(stream, sum(t.nbytes for t in batch))
+        return out
+
+    def _dataloader(self, pin_memory: bool) -> torch.utils.data.DataLoader:
+        """The per-sample DataLoader the DataLoader-based strategies wrap."""
+        cfg, workers = self.cfg, self.cfg.num_workers
+        return torch.utils.data.DataLoader(
+            self.dataset.per_sample(),
+            batch_size=cfg.batch_size,
+            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed),
+            drop_last=cfg.drop_last,
+            num_workers=workers,
+            pin_memory=pin_memory and self.on_cuda,
+            prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+            persistent_workers=cfg.persistent_workers and workers > 0,
+        )
+
+
+def pinned_empty(shape, dtype, pin: bool) -> torch.Tensor:
+    """Allocate directly in page-locked memory (no pageable copy first, unlike `.pin_memory()`)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pin)

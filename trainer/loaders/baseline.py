@@ -1,0 +1,17 @@
+"""`baseline`: DataLoader in pageable memory, blocking `.to(device)` – what most loops do."""
+
+from trainer.loaders.base import DeviceLoader
+
+
+class BaselineLoader(DeviceLoader):
+    def __init__(self, cfg, dataset, device, seed=0):
+        super().__init__(cfg, dataset, device, seed)
+        self.dataloader = self._dataloader(pin_memory=False)
+
+    def __iter__(self):
+        for batch in self.dataloader:
+            # Pageable source: CUDA stages it through a driver buffer and the host waits.
+            yield self._copy(batch, non_blocking=False)
+
+    def close(self):
+        self.dataloader = None

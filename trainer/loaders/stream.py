@@ -1,0 +1,58 @@
+"""Copies on a dedicated CUDA stream, `depth` batches ahead of the step that consumes them."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Iterable, Iterator, Optional
+
+import torch
+
+from trainer.loaders.base import Batch
+
+
+class SideStreamCopier:
+    """Feeds host batches through one side stream created once per loader (timm #2781: a new
+    stream per epoch leaks and serialises). Guards:
+    - the compute stream waits on each batch's copy event before using it;
+    - each device batch is `record_stream`-ed on the compute stream, so the caching allocator
+      cannot hand its memory to a later copy while a step still reads it;
+    - the host batch is referenced until its copy event is consumed, and `on_copied(tag, event)`
+      tells the owner of a reused host buffer when the copy reading it is issued.
+    """
+
+    def __init__(self, loader, depth: int):
+        self.loader, self.depth = loader, depth
+        self.stream = torch.cuda.Stream(loader.device) if loader.on_cuda else None
+
+    def run(self, host_batches: Iterable, on_copied: Optional[Callable] = None) -> Iterator[Batch]:
+        """`host_batches` yields `(batch, tag)`; returns device batches in the same order."""
+        loader = self.loader
+        if self.stream is None:  # CPU: nothing to overlap
+            for batch, _ in host_batches:
+                yield batch
+            return
+        compute = torch.cuda.current_stream(loader.device)
+        source, in_flight = iter(host_batches), deque()
+
+        def issue() -> None:
+            item = next(source, None)
+            if item is None:
+                return
+            batch, tag = item
+            with torch.cuda.stream(self.stream):
+                dev = loader._copy(batch, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            if on_copied is not None:
+                on_copied(tag, done)
+            in_flight.append((dev, done, batch))
+
+        for _ in range(self.depth):
+            issue()
+        while in_flight:
+            dev, done, _host = in_flight.popleft()
+            compute.wait_event(done)
+            for t in dev:
+                t.record_stream(compute)
+            issue()  # the next copy is queued before the step on `dev` is launched: they overlap
+            yield dev
