@@ -58,3 +58,10 @@ class FeedDataset:
     def nbytes(self) -> int:
         """Bytes of the whole dataset in its storage dtype (what a resident copy needs)."""
         return len(self) * self.sample_bytes
+
+
+def to_unit_float(x: torch.Tensor) -> torch.Tensor:
+    """uint8 -> float32 in [0, 1], bit-identical on CPU and GPU. `x.float().div(255)` is not: CUDA
+    turns division by a Python scalar into multiplication by its reciprocal, which rounds
+    differently for about half of the 256 values; dividing by a tensor on the device does not."""
+    return x.float().div_(torch.full((), 255.0, device=x.device))

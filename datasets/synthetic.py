@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Iterator, Optional, Tuple
 
 import numpy as np
 import torch
 
-from datasets.base import FeedDataset
+from datasets.base import FeedDataset, to_unit_float
+from trainer.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
@@ -21,17 +23,15 @@ class SyntheticDataset(FeedDataset):
     """
 
     def __init__(self, cfg):
-        if cfg.dtype not in _DTYPES:
-            raise ValueError(f"dataset.dtype must be one of {sorted(_DTYPES)} (got {cfg.dtype!r}): set dataset.dtype=float32")
+        _validate(cfg)
         self.cfg = cfg
         self.sample_shape = tuple(int(s) for s in cfg.shape)
         self.storage_dtype = _DTYPES[cfg.dtype]
         self.num_classes = int(cfg.num_classes)
-        self.chunk_samples = -(-int(cfg.num_samples) // int(cfg.chunks))
+        n = int(cfg.num_samples)
+        self.chunk_samples = chunk_size(cfg)
         # One fixed random class per sample, independent of how the data is chunked.
-        self.labels = torch.from_numpy(
-            np.random.default_rng([cfg.seed, 0x1ABE1]).integers(0, self.num_classes, int(cfg.num_samples))
-        )
+        self.labels = torch.from_numpy(np.random.default_rng([cfg.seed, 0x1ABE1]).integers(0, self.num_classes, n))
         self._all: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
@@ -53,7 +53,10 @@ class SyntheticDataset(FeedDataset):
         return x, self.labels[start:stop]
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float().div_(255) if x.dtype == torch.uint8 else x
+        # Narrow storage crosses PCIe as is and becomes float32 model input only here.
+        if x.dtype == torch.uint8:
+            return to_unit_float(x)
+        return x if x.dtype == torch.float32 else x.float()
 
     def materialize(self) -> torch.Tensor:
         """All chunks in one host tensor (loaded once, then shared by DataLoader workers)."""
@@ -73,7 +76,43 @@ class SyntheticDataset(FeedDataset):
         return SeedIterable(self, batch_size)
 
 
+def _validate(cfg) -> None:
+    """Fail before generating anything, naming the key and a value that works."""
+    if cfg.dtype not in _DTYPES:
+        raise ConfigError(f"dataset.dtype must be one of {sorted(_DTYPES)} (got {cfg.dtype!r}): set dataset.dtype=float32")
+    checks = [
+        (cfg.num_samples >= 1, f"dataset.num_samples must be >= 1 (got {cfg.num_samples}): set dataset.num_samples=1000"),
+        (cfg.chunks >= 1, f"dataset.chunks must be >= 1 (got {cfg.chunks}): set dataset.chunks=1"),
+        (cfg.chunk_samples >= 0, f"dataset.chunk_samples must be >= 0 (got {cfg.chunk_samples}): set dataset.chunk_samples=0 (num_samples / chunks)"),
+        (cfg.chunk_samples <= cfg.num_samples, f"dataset.chunk_samples={cfg.chunk_samples} is more than dataset.num_samples={cfg.num_samples}: set dataset.num_samples={cfg.chunk_samples}"),
+        (cfg.chunks <= cfg.num_samples, f"dataset.chunks={cfg.chunks} is more than dataset.num_samples={cfg.num_samples}: set dataset.chunks=1"),
+        (len(cfg.shape) >= 1 and all(s >= 1 for s in cfg.shape), f"dataset.shape must be sizes >= 1 (got {list(cfg.shape)}): set dataset.shape=[256,256]"),
+        (cfg.batches_per_chunk >= 0, f"dataset.batches_per_chunk must be >= 0 (got {cfg.batches_per_chunk}): set dataset.batches_per_chunk=0 (one pass)"),
+        (cfg.load_ms >= 0, f"dataset.load_ms must be >= 0 (got {cfg.load_ms}): set dataset.load_ms=0"),
+        (cfg.num_classes >= 1, f"dataset.num_classes must be >= 1 (got {cfg.num_classes}): set dataset.num_classes=10"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    n, size = cfg.num_samples, chunk_size(cfg)
+    made = math.ceil(n / size)
+    if not cfg.chunk_samples and made != cfg.chunks:  # e.g. 10 samples in 6 chunks: chunks of 2 make 5
+        raise ConfigError(f"dataset.num_samples={n} does not split into dataset.chunks={cfg.chunks} chunks "
+                          f"(chunks of {size} make {made}): set dataset.chunks={made}")
+    if cfg.chunk_samples and cfg.chunks not in (1, made):
+        raise ConfigError(f"dataset.chunks={cfg.chunks} with dataset.chunk_samples={size} needs "
+                          f"dataset.num_samples={cfg.chunks * size} (got {n}): set that, or leave "
+                          f"dataset.chunks at 1 (it follows from num_samples / chunk_samples)")
+
+
+def chunk_size(cfg) -> int:
+    """Samples per chunk: `chunk_samples`, or `num_samples / chunks` rounded up when it is 0."""
+    return int(cfg.chunk_samples) or math.ceil(int(cfg.num_samples) / int(cfg.chunks))
+
+
 class _SyntheticSamples(torch.utils.data.Dataset):
+    """The map-style view: item `i` is sample `i` of the materialised chunks, as model input."""
+
     def __init__(self, source: SyntheticDataset):
         self.source = source
         self.x = source.materialize()
@@ -87,22 +126,40 @@ class _SyntheticSamples(torch.utils.data.Dataset):
 
 class SeedIterable(torch.utils.data.IterableDataset):
     """For each chunk: load it (paying `load_ms`), then yield `batches_per_chunk` batches of
-    rows drawn at random (with replacement, as `rng.choice` did in the seed)."""
+    rows drawn at random (with replacement, as `rng.choice` did in the seed).
+
+    Yields whole batches: wrap it as `DataLoader(it, batch_size=None)`. With DataLoader
+    workers, each worker loads and serves its own share of the chunks. The rows drawn depend
+    only on (seed, epoch, chunk), so they are the same with or without workers.
+    """
 
     def __init__(self, source: SyntheticDataset, batch_size: int):
+        if batch_size < 1:
+            raise ConfigError(f"loader.batch_size must be >= 1 (got {batch_size}): set loader.batch_size=64")
         self.source, self.batch_size = source, batch_size
-        self.epoch = 0
+        self.epoch = 0  # advanced by each pass in this process (workers start from it)
+
+    def _batches_in(self, chunk: int) -> int:
+        start, stop = self.source.chunk_range(chunk)
+        return self.source.cfg.batches_per_chunk or math.ceil((stop - start) / self.batch_size)
 
     def __len__(self) -> int:
-        per_chunk = self.source.cfg.batches_per_chunk
-        return sum(per_chunk or -(-(b - a) // self.batch_size) for a, b in map(self.source.chunk_range, range(self.source.num_chunks)))
+        return sum(self._batches_in(i) for i in range(self.source.num_chunks))
+
+    def rows(self, epoch: int, chunk: int) -> Iterator[torch.Tensor]:
+        """Row indices within `chunk` of each batch drawn from it in `epoch`."""
+        start, stop = self.source.chunk_range(chunk)
+        g = np.random.default_rng([self.source.cfg.seed, 0xD4A3, epoch, chunk])
+        for _ in range(self._batches_in(chunk)):
+            yield torch.from_numpy(g.integers(0, stop - start, self.batch_size))
 
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
-        g = np.random.default_rng([self.source.cfg.seed, 0xD4A3, self.epoch])
-        self.epoch += 1
-        for i in range(self.source.num_chunks):
-            x, y = self.source.load_chunk(i)
-            per_chunk = self.source.cfg.batches_per_chunk or -(-len(x) // self.batch_size)
-            for _ in range(per_chunk):
-                idx = torch.from_numpy(g.integers(0, len(x), self.batch_size))
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        worker = torch.utils.data.get_worker_info()
+        chunks = range(self.source.num_chunks)
+        if worker is not None:
+            chunks = chunks[worker.id::worker.num_workers]
+        for i in chunks:
+            x, y = self.source.load_chunk(i)  # the 'disk read': one big chunk into memory
+            for idx in self.rows(epoch, i):
                 yield self.source.on_device(x[idx]), y[idx]

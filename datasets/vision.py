@@ -1,41 +1,81 @@
-"""MNIST and CIFAR-10 through torchvision's own dataset classes."""
+"""MNIST and CIFAR-10 through torchvision's own dataset classes.
+
+Two paths to the same normalised images:
+- `per_sample()`: torchvision's dataset with `ToTensor()` + `Normalize()` run per sample (a PIL
+  image each time), exactly what the seed notebooks measured;
+- the tensor path: the whole split kept as one uint8 `N x C x H x W` tensor plus labels;
+  `on_device()` does ToTensor's `/255` and Normalize's `(x - mean) / std` after the copy, with
+  the same ops in the same order, so both paths give identical values.
+
+Missing, damaged or undownloadable files surface as one `ConfigError` line naming `dataset.root`,
+the files expected there and the fix.
+"""
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import contextlib
+import http.client
+import math
+import pickle
+import socket
+import sys
+import urllib.error
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torchvision
 from torchvision import transforms
+from torchvision.datasets.utils import calculate_md5
 
-from datasets.base import FeedDataset
+from datasets.base import FeedDataset, to_unit_float
+from trainer.errors import ConfigError
+
+DOWNLOAD_SOCKET_TIMEOUT_S = 30  # urllib waits forever on a stalled connection without one
 
 
 class _Vision(FeedDataset):
     tv_class: type
+    title: str  # how the dataset is named in messages
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
 
     def __init__(self, cfg):
+        if cfg.num_samples < 0:
+            raise ConfigError(f"dataset.num_samples must be >= 0 (got {cfg.num_samples}): set dataset.num_samples=0 (the whole split)")
         self.cfg = cfg
-        self.tv = self.tv_class(root=cfg.root, train=cfg.train, download=cfg.download)
+        self.root = Path(cfg.root).expanduser().absolute()
+        self.tv = self._open()
         x = torch.as_tensor(self.tv.data)
-        x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)  # N x C x H x W
+        y = torch.as_tensor(self.tv.targets)
+        if len(x) != len(y):
+            raise ConfigError(f"dataset={cfg.name}: {len(x)} images but {len(y)} labels in {self.folder}: "
+                              f"the files are damaged; delete them and set dataset.download=true, or copy intact files there")
+        split = "train" if cfg.train else "test"
+        if cfg.num_samples > len(x):
+            raise ConfigError(f"dataset.num_samples={cfg.num_samples} but the {self.title} {split} split has {len(x)} samples: "
+                              f"set dataset.num_samples=0 (all of them) or fewer")
         n = cfg.num_samples or len(x)
+        x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)  # N x C x H x W
         self.x = x[:n].contiguous()
-        self.y = torch.as_tensor(self.tv.targets)[:n].long()
+        self.y = y[:n].long()
         self.sample_shape = tuple(self.x.shape[1:])
         self.storage_dtype = torch.uint8
         self.num_classes = 10
-        self.chunk_samples = len(self.x)
+        self.chunk_samples = n  # the whole split is one chunk
+        self.tv.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(self.mean, self.std)])
+        self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __len__(self) -> int:
         return len(self.x)
 
-    def per_sample(self):
-        self.tv.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(self.mean, self.std)])
+    # -- per-sample path -----------------------------------------------------------------------
+    def per_sample(self) -> torch.utils.data.Dataset:
+        if len(self) == len(self.tv):
+            return self.tv  # torchvision's own dataset, as the seeds iterated it
         return torch.utils.data.Subset(self.tv, range(len(self)))
 
+    # -- tensor path ---------------------------------------------------------------------------
     def load_chunk(self, i: int, out: Optional[torch.Tensor] = None):
         start, stop = self.chunk_range(i)
         x = self.x[start:stop]
@@ -45,17 +85,216 @@ class _Vision(FeedDataset):
         return x, self.y[start:stop]
 
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
-        # Same ops, same order as ToTensor + Normalize, so both paths give identical values.
-        mean = torch.tensor(self.mean, device=x.device).view(-1, 1, 1)
-        std = torch.tensor(self.std, device=x.device).view(-1, 1, 1)
-        return x.float().div(255).sub_(mean).div_(std)
+        # Same ops, same order as ToTensor (`.float().div(255)`) + Normalize (`.sub_(mean).div_(std)`).
+        mean, std = self._stats_on(x.device)
+        return to_unit_float(x).sub_(mean).div_(std)
+
+    def _stats_on(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
+        # Made once per device: a fresh host->device copy per batch would sync the loop.
+        if device not in self._stats:
+            self._stats[device] = tuple(torch.tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1)
+                                        for v in (self.mean, self.std))
+        return self._stats[device]
+
+    # -- files ---------------------------------------------------------------------------------
+    @property
+    def folder(self) -> Path:
+        """Where torchvision keeps (or puts) the files, under `dataset.root`."""
+        raise NotImplementedError
+
+    def expected_files(self) -> List[str]:
+        """Every file torchvision needs in `folder` (both splits, whichever is used)."""
+        raise NotImplementedError
+
+    def problems(self) -> Tuple[List[str], List[str]]:
+        """`(missing, damaged)`: what is wrong with the files in `folder`, one phrase each."""
+        raise NotImplementedError
+
+    def _torchvision(self, download: bool):
+        return self.tv_class(root=str(self.root), train=self.cfg.train, download=download)
+
+    def _open(self):
+        try:
+            with _socket_timeout(DOWNLOAD_SOCKET_TIMEOUT_S):
+                return self._torchvision(download=self.cfg.download)
+        # torchvision reports missing or damaged files and failed downloads with all of these.
+        except (OSError, RuntimeError, ValueError, TypeError, AssertionError, EOFError, KeyError, IndexError,
+                pickle.UnpicklingError, http.client.HTTPException) as e:
+            raise ConfigError(self._explain(e)) from e
+
+    def _explain(self, error: BaseException) -> str:
+        """One line: what is wrong in `dataset.root`, the files expected there, and the fix."""
+        missing, damaged = self.problems()
+        name, where = self.cfg.name, f"{self.folder} (dataset.root={self.root})"
+        if self.cfg.download and _is_download_error(error):
+            found = "; ".join(damaged + ([f"missing {', '.join(missing)}"] if missing else []))
+            return (f"dataset={name}: {found + '; ' if found else ''}downloading {self.title} into {where} failed "
+                    f"({_last_line(error)}): rerun with internet access, or copy {', '.join(self.expected_files())} "
+                    f"there and set dataset.download=false{self.md5_hint(damaged)}")
+        if missing and not damaged:
+            return (f"dataset={name}: {self.title} not found in {where}: missing {', '.join(missing)}: "
+                    f"set dataset.download=true (needs internet), or copy those files there")
+        found = damaged + ([f"missing {', '.join(missing)}"] if missing else [])
+        if not found:  # nothing we can point at: pass torchvision's own reason on
+            found = [f"torchvision could not load it ({_last_line(error)})"]
+        return (f"dataset={name}: {self.title} in {where}: {'; '.join(found)}: delete the damaged files "
+                f"and rerun with dataset.download=true, or copy intact files there{self.md5_hint(damaged)}")
+
+    def md5_hint(self, damaged: List[str]) -> str:
+        """The extra fix for files that only fail a checksum (none by default)."""
+        return ""
 
 
 class Mnist(_Vision):
     tv_class = torchvision.datasets.MNIST
+    title = "MNIST"
     mean, std = (0.1307,), (0.3081,)
+    _MAGIC = {"images": 0x0803, "labels": 0x0801}  # IDX: uint8 with 3 / 1 dimensions
+
+    @property
+    def folder(self) -> Path:
+        return self.root / "MNIST" / "raw"
+
+    def expected_files(self) -> List[str]:
+        return [gz[: -len(".gz")] for gz, _ in self.tv_class.resources]
+
+    def problems(self):
+        missing, damaged = [], []
+        for gz, md5 in self.tv_class.resources:
+            name = gz[: -len(".gz")]
+            path, archive = self.folder / name, self.folder / gz
+            if path.is_file():
+                trouble = _idx_trouble(path, self._MAGIC["images" if "images" in name else "labels"])
+                if trouble:
+                    damaged.append(f"{name} is {trouble}")
+            elif archive.is_file() and calculate_md5(archive) != md5:
+                missing.append(f"{name} ({gz} is there but incomplete or not the official file)")
+            elif archive.is_file():
+                missing.append(f"{name} ({gz} is there, not extracted: dataset.download=true extracts it offline)")
+            else:
+                missing.append(name)
+        return missing, damaged
 
 
 class Cifar10(_Vision):
     tv_class = torchvision.datasets.CIFAR10
+    title = "CIFAR-10"
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if not cfg.verify_md5:
+            print(f"warning: dataset.verify_md5=false: the CIFAR-10 files in {self.folder} were not checked "
+                  f"against the official md5 sums", file=sys.stderr)
+
+    @property
+    def folder(self) -> Path:
+        return self.root / self.tv_class.base_folder
+
+    def _official(self) -> List[Tuple[str, str]]:
+        tv = self.tv_class
+        return [tuple(f) for f in tv.train_list + tv.test_list] + [(tv.meta["filename"], tv.meta["md5"])]
+
+    def expected_files(self) -> List[str]:
+        return [name for name, _ in self._official()]
+
+    def _torchvision(self, download: bool):
+        cls = self.tv_class if self.cfg.verify_md5 else _UncheckedCIFAR10
+        return cls(root=str(self.root), train=self.cfg.train, download=download)
+
+    def problems(self):
+        missing, unofficial, unreadable = [], [], []
+        for name, md5 in self._official():
+            path = self.folder / name
+            if not path.is_file():
+                missing.append(name)
+            elif self.cfg.verify_md5 and calculate_md5(path) != md5:
+                unofficial.append(name)
+            elif not _unpickles(path):
+                unreadable.append(name)
+        archive = self.root / self.tv_class.filename
+        if missing and archive.is_file():
+            missing[-1] += f" ({archive.name} is in dataset.root, not extracted: dataset.download=true extracts it)"
+        damaged = []
+        if unofficial:
+            damaged.append(f"{', '.join(unofficial)} fail torchvision's md5 check (incomplete, corrupt, or not the official files)")
+        if unreadable:
+            damaged.append(f"{', '.join(unreadable)} cannot be unpickled (truncated or corrupt)")
+        return missing, damaged
+
+    def md5_hint(self, damaged: List[str]) -> str:
+        if self.cfg.verify_md5 and any("md5" in d for d in damaged):
+            return "; or, for re-packed or generated files, set dataset.verify_md5=false"
+        return ""
+
+
+class _UncheckedCIFAR10(torchvision.datasets.CIFAR10):
+    """CIFAR10 that only checks that its files exist (`dataset.verify_md5=false`): torchvision
+    compares every batch file with the official md5 otherwise, so re-packed files fail."""
+
+    train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
+    test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
+    meta = {**torchvision.datasets.CIFAR10.meta, "md5": None}
+
+
+# ----------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def _socket_timeout(seconds: float):
+    """A default socket timeout while torchvision downloads, unless one is set already."""
+    previous = socket.getdefaulttimeout()
+    if previous is None:
+        socket.setdefaulttimeout(seconds)
+    try:
+        yield
+    finally:
+        socket.setdefaulttimeout(previous)
+
+
+def _is_download_error(error: Optional[BaseException]) -> bool:
+    """True when `error` (or what caused it) is a failed download rather than a bad file."""
+    while error is not None:
+        if isinstance(error, (urllib.error.URLError, TimeoutError, ConnectionError, http.client.HTTPException)):
+            return True
+        text = str(error)
+        # MNIST wraps each mirror's failure in "Error downloading ..."; download_url's own md5
+        # check of what it fetched raises "File not found or corrupted."
+        if isinstance(error, RuntimeError) and text.startswith(("Error downloading", "File not found or corrupted")):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def _last_line(error: BaseException) -> str:
+    """The most specific line of a (possibly multi-line) error message."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _idx_trouble(path: Path, magic: int) -> Optional[str]:
+    """What is wrong with an IDX file (None if its header and size agree)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(4)
+        if len(head) < 4:
+            return f"truncated ({size} bytes)"
+        found = int.from_bytes(head, "big")
+        if found != magic:
+            return f"not an MNIST IDX file of this kind (magic {found:#010x}, expected {magic:#010x})"
+        ndim = magic & 0xFF
+        dims_bytes = f.read(4 * ndim)
+    if len(dims_bytes) < 4 * ndim:
+        return f"truncated ({size} bytes)"
+    dims = [int.from_bytes(dims_bytes[4 * k: 4 * k + 4], "big") for k in range(ndim)]
+    expected = 4 + 4 * ndim + math.prod(dims)
+    if size != expected:
+        return f"truncated or corrupt ({size} bytes; its header {'x'.join(map(str, dims))} needs {expected})"
+    return None
+
+
+def _unpickles(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            pickle.load(f, encoding="latin1")
+        return True
+    except Exception:  # any failure to unpickle means the file is not usable
+        return False

@@ -1,15 +1,67 @@
-"""`python -m trainer [overrides]`: the Hydra entry point; the work is in `trainer.run.run`."""
+"""`python -m trainer [overrides]`: the Hydra entry point; the work is in `trainer.run.run`.
+
+Bad input and failed runs end in one line on stderr and exit status 1 (set HYDRA_FULL_ERROR=1
+for the full trace). Ctrl-C and SIGTERM close the run as KILLED, keeping what it measured, and
+exit with 130 and 143.
+"""
+
+import os
+import signal
+import sys
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from hydra.types import RunMode
 
 import trainer.config  # noqa: F401  (registers the config schemas)
+from trainer import faults
+from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
 from trainer.run import run
+
+
+class JobFailed(CompactHydraException):
+    """A sweep job's one-line error: Hydra marks the job FAILED, runs the remaining jobs, and
+    reports it at the end without a traceback."""
+
+
+def one_line(err: BaseException) -> str:
+    """The error's message on one line, naming the MLflow run it closed (if one was open)."""
+    text = " ".join(str(err).split())
+    run_id = getattr(err, "run_id", None)
+    return f"{text} (run {run_id} marked FAILED)" if run_id else text
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg) -> None:
-    run(cfg)
+    try:
+        run(cfg)
+    except (ConfigError, RunFailed) as err:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise JobFailed(one_line(err)) from err
+        raise SystemExit(EXIT_FAILED) from None
+
+
+def _terminate(signum, frame) -> None:
+    raise Interrupted(signum)  # SIGTERM's default would end the process without closing the run
+
+
+def cli() -> None:
+    """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) ending in one line."""
+    signal.signal(signal.SIGTERM, _terminate)
+    try:
+        main()
+    except KeyboardInterrupt as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        faults.stopped_by = signum
+        run_id = getattr(stop, "run_id", None)
+        closed = f": run {run_id} marked KILLED, what it measured is saved" if run_id else ""
+        print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
+        raise SystemExit(128 + signum) from None
 
 
 if __name__ == "__main__":
-    main()
+    cli()

@@ -28,37 +28,47 @@ class DatasetConfig:
 
 @dataclass
 class SyntheticConfig(DatasetConfig):
-    """Seed 000's random 'big chunk': `num_samples` samples split into `chunks` loads from disk."""
+    """Seed 000's random 'big chunk': `num_samples` samples, 'loaded from disk' one chunk at a time.
+
+    The chunking is set by `chunks` or by `chunk_samples`, not both: `chunk_samples=0` splits
+    `num_samples` into `chunks` loads; `chunk_samples=N` loads N samples at a time (and `chunks`
+    follows: leave it at 1). Seed 000 is `num_samples=2000 chunk_samples=1000 batches_per_chunk=4`.
+    """
 
     name: str = "synthetic"
-    num_samples: int = 1000  # samples in the whole dataset (all chunks)
+    num_samples: int = 1000  # samples in the whole dataset (all chunks together)
     shape: List[int] = field(default_factory=lambda: [256, 256])  # one sample's shape
-    dtype: str = "float32"  # float32 | float16 | bfloat16 | uint8
+    dtype: str = "float32"  # storage dtype: float32 | float16 | bfloat16 | uint8 (model input is float32)
     chunks: int = 1  # the data is 'loaded from disk' in this many chunks
-    batches_per_chunk: int = 0  # iterable view: batches drawn per chunk (0 = one pass)
+    chunk_samples: int = 0  # samples per chunk (0 = num_samples / chunks, rounded up)
+    batches_per_chunk: int = 0  # iterable view: random batches drawn per loaded chunk (0 = one pass)
     load_ms: float = 0.0  # simulated disk-read time per chunk
     num_classes: int = 10  # a fixed random label per sample (for the MLP)
 
 
 @dataclass
 class VisionConfig(DatasetConfig):
-    """A torchvision dataset read from `root` (downloaded there when `download=true`)."""
+    """A torchvision dataset read from `root` (downloaded there first when `download=true`)."""
 
-    root: str = str(PROJECT_ROOT / "data")
-    download: bool = True
-    train: bool = True  # which split
-    num_samples: int = 0  # use only the first N samples (0 = the whole split)
+    root: str = str(PROJECT_ROOT / "data")  # folder holding MNIST/raw/ or cifar-10-batches-py/
+    download: bool = True  # fetch the files when they are missing (needs internet)
+    train: bool = True  # true: the training split; false: the test split
+    num_samples: int = 0  # use only the first N samples of the split (0 = all of it)
 
 
 @dataclass
 class MnistConfig(VisionConfig):
+    """torchvision.datasets.MNIST: 1x28x28 uint8 images, 10 classes."""
+
     name: str = "mnist"
 
 
 @dataclass
 class Cifar10Config(VisionConfig):
+    """torchvision.datasets.CIFAR10: 3x32x32 uint8 images, 10 classes."""
+
     name: str = "cifar10"
-    verify_md5: bool = True  # false accepts re-packed batch files (with a warning)
+    verify_md5: bool = True  # false: skip the md5 check of the batch files (re-packed or generated files)
 
 
 # ----------------------------------------------------------------------------- loaders
@@ -83,6 +93,7 @@ class BaselineConfig(LoaderConfig):
 @dataclass
 class PinnedConfig(LoaderConfig):
     name: str = "pinned"
+    non_blocking: bool = True  # false: blocking `.to(device)` of the pinned batch (seeds 002 and 004)
 
 
 @dataclass
@@ -101,6 +112,14 @@ class PinnedChunkConfig(LoaderConfig):
 @dataclass
 class GpuResidentConfig(LoaderConfig):
     name: str = "gpu_resident"
+
+
+@dataclass
+class SeedIterableConfig(LoaderConfig):
+    """Seed 000's own DataLoader over its IterableDataset (dataset=synthetic only)."""
+
+    name: str = "seed_iterable"
+    variant: str = "pin_batches"  # no_pinning | copy_in_loader | pin_batches | pin_chunk: the seed's four
 
 
 # ----------------------------------------------------------------------------- models
@@ -159,8 +178,11 @@ class EngineConfig:
 class TrackingConfig:
     uri: Optional[str] = None  # MLflow tracking URI (None = sqlite outputs/mlflow.db)
     experiment: str = "feedbench"
-    run_name: Optional[str] = None
-    system_metrics: bool = False
+    run_name: Optional[str] = None  # None: MLflow's random name, or the swept values in a sweep
+    system_metrics: bool = False  # MLflow system metrics (CPU, memory; GPU with nvidia-ml-py); needs psutil
+    system_metrics_interval_s: float = 1.0  # seconds between system-metric samples
+    parent_run_id: Optional[str] = None  # nest the run under this MLflow run (a sweep sets it per job)
+    sweep_name: Optional[str] = None  # name of a multirun's parent run (None = the swept overrides)
 
 
 @dataclass
@@ -180,6 +202,7 @@ SCHEMAS = {
         "prefetch": PrefetchConfig,
         "pinned_chunk": PinnedChunkConfig,
         "gpu_resident": GpuResidentConfig,
+        "seed_iterable": SeedIterableConfig,
     },
     "model": {"autoencoder": AutoencoderConfig, "mlp": MlpConfig, "noop": NoopConfig},
 }

@@ -4,22 +4,20 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from tqdm import tqdm
 
+from trainer.faults import LossWatch
 from trainer.meter import StepMeter
-from trainer.steps import make_step
-from trainer.verify import Checksum
 
 
-def train(model, optimizer, loader, meter: StepMeter, cfg, checksum: Checksum | None = None) -> int:
+def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) -> int:
     """Run `cfg.epochs` passes over `loader` (at most `cfg.max_steps` steps); returns steps done."""
     planned = cfg.epochs * len(loader)
     total = min(planned, cfg.max_steps) if cfg.max_steps else planned
-    step_fn = make_step(model, optimizer, cfg)
     bar = tqdm(total=total, file=sys.stderr, mininterval=0.5, unit="step", leave=False,
                disable=not (cfg.progress and sys.stderr.isatty()))
-    step = 0
+    watch = LossWatch(meter, cfg.optimizer.lr)  # NaN/inf loss: checked lagged, never with a sync
+    step, batches = 0, None
     try:
         for epoch in range(cfg.epochs):
             meter.epoch = epoch
@@ -30,18 +28,24 @@ def train(model, optimizer, loader, meter: StepMeter, cfg, checksum: Checksum | 
                 if batch is None:
                     break
                 if checksum is not None:
-                    checksum.update(*batch)
+                    checksum.update(*batch)  # device-side hash, read after the loop
                 meter.step_begin(len(batch[0]))
                 loss = step_fn(*batch)
                 meter.step_end(loss)
                 step += 1
                 bar.update()  # tqdm redraws at most every `mininterval` seconds
+                watch.after_step(step)
+                if profiler is not None:
+                    profiler.step()
                 if step == cfg.warmup_steps:
                     meter.start_timed()
             if checksum is not None:
                 checksum.end_epoch()
             if step >= total:
                 break
+        watch.final()
     finally:
         bar.close()
+        if hasattr(batches, "close"):  # stop this pass's DataLoader workers and copies now, even on error
+            batches.close()
     return step

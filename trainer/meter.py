@@ -81,6 +81,10 @@ class StepMeter:
         row[5] = (time.perf_counter() - self._t_wait) * 1e3
         row[6] = loss.detach().clone()  # read in finish(); clone: a graphed step reuses its output
 
+    def losses(self, start: int, stop: int) -> List[torch.Tensor]:
+        """Loss tensors of steps `start + 1 .. stop`, unread (still on the device)."""
+        return [r[6] for r in self.steps[start:stop]]
+
     def start_timed(self) -> None:
         """Start the timed region: one sync so warm-up work does not leak into it."""
         self._sync()
@@ -96,6 +100,8 @@ class StepMeter:
         """Wait for the device, read every event and compute the summaries."""
         self._sync()
         t1 = time.perf_counter()
+        if self.steps and self.steps[-1][6] is None:  # interrupted between step_begin and step_end
+            self.steps.pop()
         if self._t0 is None:  # fewer steps than warm-up: summarise all of them
             self._t0, self._timed_from = t1, 0
             wall = sum(r[5] for r in self.steps) / 1e3
@@ -138,7 +144,6 @@ class StepMeter:
             "median_h2d_ms": med("h2d_ms"),
             "median_data_wait_ms": med("data_wait_ms"),
             "setup_s": self.setup_s,
-            "peak_gpu_mem_mb": torch.cuda.max_memory_allocated(self.device) / 2**20 if self.cuda else 0.0,
             "total_steps": len(self.steps),
             "total_samples": sum(r[1] for r in self.steps),
             "final_loss": timed[-1]["loss"] if timed else math.nan,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import sys
-import warnings
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -12,10 +14,14 @@ from models import build_model
 from trainer.engine import train
 from trainer.environment import describe
 from trainer.errors import ConfigError
+from trainer.faults import StopSignals, explain_faults
 from trainer.loaders import build_loader
 from trainer.meter import StepMeter
-from trainer.steps import build_optimizer
-from trainer.tracking import Tracker
+from trainer.limits import h2d_bandwidth
+from trainer.profiling import StepProfiler
+from trainer.steps import build_optimizer, make_step
+from trainer.tracking import Tracker, check_tracking_uri
+from trainer.validate import check_against_dataset, validate
 from trainer.verify import Checksum
 
 
@@ -32,34 +38,76 @@ def select_device(name: str) -> torch.device:
 
 def run(cfg) -> dict:
     """One experiment: returns the summary metrics (also logged to MLflow)."""
+    validate(cfg)
     device = select_device(cfg.engine.device)
+    check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
+    mem_base = gpu_memory_baseline(device)
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
             "device": device.type, "torch_version": torch.__version__,
             "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none"}
-    with Tracker(cfg, tags) as tracker:
+    with StopSignals() as stop, Tracker(cfg, tags) as tracker, explain_faults(cfg):
+        stop.arm()  # SIGINT/SIGTERM now stop the run (KILLED); while it opens or saves, they wait
         tracker.log_environment(describe(device))
         dataset = build_dataset(cfg.dataset)
+        check_against_dataset(cfg, dataset)
         loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
-        tracker.set_tags({"degraded": str(loader.degraded).lower()})
-        if loader.degraded:
-            print(f"warning: loader={cfg.loader.name} needs CUDA; running its CPU path (run tagged degraded=true)", file=sys.stderr)
+        graphed = cfg.engine.cuda_graph and device.type == "cuda"
+        degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
+        tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
+        if degraded:
+            print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
         model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device)
-        optimizer = build_optimizer(cfg.engine.optimizer, model)
+        optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
         meter = StepMeter(device, cfg.engine.warmup_steps)
         meter.setup_s = loader.setup_s
         loader.copy_probe = meter
         checksum = Checksum(device) if cfg.engine.verify else None
+        tmp = Path(tempfile.mkdtemp(prefix="feedbench-"))
+        profiler = StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps)
+        completed = False
         try:
             with loader:
-                train(model, optimizer, loader, meter, cfg.engine, checksum)
+                train(make_step(model, optimizer, graphed), loader, meter, cfg.engine, checksum, profiler)
+            completed = True
         finally:
             # Whatever happened, what was measured is recorded before the run is closed.
+            stop.hold()
+            trace = profiler.close()
             result = meter.finish()
             tracker.log_steps(result.rows)
-            summary = dict(result.summary, pinned_host_mb=loader.pinned_bytes / 2**20)
+            summary = dict(result.summary, pinned_host_mb=loader.pinned_bytes / 2**20,
+                           peak_gpu_mem_mb=peak_gpu_mb(device, mem_base),
+                           **(ceilings(meter, device) if completed else {}))  # after a failure: save, don't probe
             tracker.log_summary(summary)
             if checksum is not None:
                 tracker.set_tags(checksum.result())
+            if trace is not None:
+                tracker.log_artifact(trace)
     return summary
+
+
+def gpu_memory_baseline(device: torch.device) -> int:
+    """Several runs may share one process (a multirun): free what earlier ones left and measure
+    this run's peak from here."""
+    if device.type != "cuda":
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak_gpu_mb(device: torch.device, base: int) -> float:
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else 0.0
+
+
+def ceilings(meter: StepMeter, device: torch.device) -> dict:
+    """After the loop: this machine's pinned and pageable copy bandwidth for the run's batch size,
+    so `h2d_GBps` can be read against what the link can do."""
+    if device.type != "cuda" or not meter.copies:
+        return {}
+    nbytes = meter.copies[0][2]
+    return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
+            "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}

@@ -8,8 +8,13 @@ wherever the job was launched from.
 from __future__ import annotations
 
 import csv
+import http.client
+import importlib.util
 import json
+import os
 import tempfile
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional
 
@@ -18,7 +23,9 @@ from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from trainer import plots
 from trainer.config import PROJECT_ROOT
+from trainer.errors import ConfigError
 from trainer.meter import STEP_COLUMNS
 
 OUTPUTS = PROJECT_ROOT / "outputs"
@@ -34,6 +41,60 @@ def artifact_root(uri: str) -> Optional[str]:
     if uri.startswith("sqlite:///"):
         return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
     return None
+
+
+def experiment_id(client: MlflowClient, name: str, uri: str) -> str:
+    """The experiment's id, created on first use with its artifacts beside a sqlite DB."""
+    exp = client.get_experiment_by_name(name)
+    return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(uri))
+
+
+def system_metrics(tracking) -> Optional[bool]:
+    """`tracking.system_metrics=true`: sample every `system_metrics_interval_s` (MLflow's default,
+    10 s, would leave a short run with no sample). MLflow needs psutil for it."""
+    if not tracking.system_metrics:
+        return None
+    if not tracking.system_metrics_interval_s > 0:
+        raise ConfigError(f"tracking.system_metrics_interval_s must be > 0 (got {tracking.system_metrics_interval_s}): "
+                          "set tracking.system_metrics_interval_s=1")
+    if importlib.util.find_spec("psutil") is None:
+        raise ConfigError("tracking.system_metrics=true needs psutil: `pip install psutil nvidia-ml-py` "
+                          "(nvidia-ml-py adds GPU utilisation) or set tracking.system_metrics=false")
+    mlflow.set_system_metrics_sampling_interval(tracking.system_metrics_interval_s)
+    return True
+
+
+PREFLIGHT_TIMEOUT_S = 5.0  # MLflow itself retries an unreachable server for minutes
+
+
+def check_tracking_uri(uri: Optional[str]) -> None:
+    """Fail before anything runs when runs could not be recorded at `tracking.uri`: a server that
+    does not answer, or a sqlite file in a missing or read-only folder."""
+    target = uri or default_uri()
+    if target.startswith(("http://", "https://")):
+        try:
+            urllib.request.urlopen(target.rstrip("/") + "/health", timeout=PREFLIGHT_TIMEOUT_S).close()
+        except urllib.error.HTTPError:
+            pass  # the server answered (an error page still proves it is there)
+        except (OSError, http.client.HTTPException) as e:  # refused, timed out, not an HTTP server
+            raise ConfigError(f"tracking.uri={target} is unreachable ({getattr(e, 'reason', e)}): start the MLflow "
+                              f"server there, or set tracking.uri=null to record in {default_uri()}") from None
+    elif target.startswith("sqlite:///"):
+        db = Path(target[len("sqlite:///"):])
+        try:
+            if uri is None:
+                OUTPUTS.mkdir(parents=True, exist_ok=True)
+            elif not db.parent.is_dir():
+                raise ConfigError(f"tracking.uri={target}: folder {db.parent} does not exist: create it "
+                                  f"(mkdir -p {db.parent}) or set tracking.uri=null")
+            with tempfile.TemporaryFile(dir=db.parent):  # sqlite also writes a journal beside the file
+                pass
+            if db.exists() and (db.is_dir() or not os.access(db, os.W_OK)):
+                raise PermissionError(0, f"{db} is not a writable file")
+        except OSError as e:
+            fix = "set tracking.uri=null" if uri else "set tracking.uri=sqlite:////<a writable folder>/mlflow.db"
+            raise ConfigError(f"tracking.uri={target}: cannot write in {db.parent} ({e.strerror or e}): "
+                              f"use a writable folder or {fix}") from None
 
 
 def flatten(cfg) -> Dict[str, str]:
@@ -62,11 +123,11 @@ class Tracker:
             OUTPUTS.mkdir(parents=True, exist_ok=True)
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
-        exp = self.client.get_experiment_by_name(cfg.tracking.experiment)
-        exp_id = exp.experiment_id if exp else self.client.create_experiment(
-            cfg.tracking.experiment, artifact_location=artifact_root(self.uri))
-        self.run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.tracking.run_name, tags=tags,
-                                    log_system_metrics=cfg.tracking.system_metrics or None)
+        exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
+        from trainer.sweep import child_identity  # here: trainer.sweep imports this module
+        sweep_name, sweep_tags = child_identity(self.client, cfg)  # nested under tracking.parent_run_id
+        self.run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.tracking.run_name or sweep_name,
+                                    tags={**tags, **sweep_tags}, log_system_metrics=system_metrics(cfg.tracking))
         self.run_id = self.run.info.run_id
         params = flatten(cfg)
         items = list(params.items())
@@ -80,12 +141,17 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             status = RunStatus.to_string(RunStatus.FINISHED)
-        elif issubclass(exc_type, KeyboardInterrupt):
+        elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (trainer.errors.Interrupted)
             status = RunStatus.to_string(RunStatus.KILLED)
+            mlflow.set_tag("interrupted_by", str(exc) or "SIGINT")
         else:
             status = RunStatus.to_string(RunStatus.FAILED)
             if exc is not None:
                 mlflow.set_tag("error", f"{exc_type.__name__}: {exc}"[:5000])
+            if getattr(exc, "step", None) is not None:
+                mlflow.set_tag("failed_step", str(exc.step))
+        if exc is not None:
+            exc.run_id = self.run_id  # lets the one-line report name the run
         mlflow.end_run(status)
         return False
 
@@ -96,7 +162,7 @@ class Tracker:
         mlflow.log_dict(env, "environment.json")
 
     def log_steps(self, rows: List[dict]) -> None:
-        """Per-step series (`log_batch`, step = global step) and `steps.csv`."""
+        """Per-step series (`log_batch`, step = global step), `steps.csv` and `timeline.png`."""
         metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
@@ -107,6 +173,10 @@ class Tracker:
                 w.writeheader()
                 w.writerows(rows)
             mlflow.log_artifact(str(path))
+            if rows:
+                title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
+                mlflow.log_artifact(str(plots.timeline(rows, Path(tmp) / "timeline.png",
+                                                       self.cfg.engine.warmup_steps, title)))
 
     def log_summary(self, summary: Dict[str, float]) -> None:
         mlflow.log_metrics({k: float(v) for k, v in summary.items()})

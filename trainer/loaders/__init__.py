@@ -17,6 +17,7 @@ from trainer.loaders.gpu_resident import GpuResidentLoader
 from trainer.loaders.pinned import PinnedLoader
 from trainer.loaders.pinned_chunk import PinnedChunkLoader
 from trainer.loaders.prefetch import PrefetchLoader
+from trainer.loaders.seed_iterable import SeedIterableLoader
 
 LOADERS = {
     "baseline": BaselineLoader,
@@ -24,6 +25,7 @@ LOADERS = {
     "prefetch": PrefetchLoader,
     "pinned_chunk": PinnedChunkLoader,
     "gpu_resident": GpuResidentLoader,
+    "seed_iterable": SeedIterableLoader,
 }
 
 

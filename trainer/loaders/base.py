@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional, Tuple
+import os
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
 from datasets.base import FeedDataset
+from trainer.errors import ConfigError
 from trainer.loaders.order import EpochSampler
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -43,6 +45,23 @@ class DeviceLoader:
 
     def close(self) -> None:
         """Release workers, threads and buffers (also called on interrupt)."""
+        self._stop_workers()
+
+    def _batches(self) -> Iterator[Batch]:
+        """Iterate the DataLoader, remembering the live iterator so its workers can be stopped
+        the moment the pass ends or fails, not whenever the iterator is garbage-collected (a
+        traceback can keep it alive, and a dead worker's SIGCHLD error with it)."""
+        self._live = iter(self.dataloader)
+        try:
+            yield from self._live
+        finally:
+            self._stop_workers()
+
+    def _stop_workers(self) -> None:
+        live, self._live = getattr(self, "_live", None), None
+        shutdown = getattr(live, "_shutdown_workers", None)  # multi-process iterators only
+        if shutdown is not None:
+            shutdown()
 
     def __enter__(self):
         return self
@@ -65,6 +84,9 @@ class DeviceLoader:
     def _dataloader(self, pin_memory: bool) -> torch.utils.data.DataLoader:
         """The per-sample DataLoader the DataLoader-based strategies wrap."""
         cfg, workers = self.cfg, self.cfg.num_workers
+        check_host_fits(self.dataset.nbytes, f"loader={cfg.name} (the whole dataset in host memory)",
+                        lambda free: f"use loader=pinned_chunk with dataset.chunk_samples="
+                                     f"{chunk_samples_for(self.dataset.sample_bytes, free)}, or a smaller dataset.num_samples")
         return torch.utils.data.DataLoader(
             self.dataset.per_sample(),
             batch_size=cfg.batch_size,
@@ -80,3 +102,29 @@ class DeviceLoader:
 def pinned_empty(shape, dtype, pin: bool) -> torch.Tensor:
     """Allocate directly in page-locked memory (no pageable copy first, unlike `.pin_memory()`)."""
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
+
+
+def host_available_bytes() -> int:
+    """Host memory that can be allocated without swapping: MemAvailable, else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_fits(needed: int, what: str, fix: Union[str, Callable[[int], str]]) -> None:
+    """Fail before allocating `needed` bytes of host memory the machine does not have (page-locked
+    memory cannot be swapped out, and a pageable overcommit ends in the OOM killer mid-run)."""
+    free = host_available_bytes()
+    if needed > free:
+        raise ConfigError(f"{what} needs {needed / 2**30:.2f} GiB of host memory but only {free / 2**30:.2f} GiB "
+                          f"is available: {fix(free) if callable(fix) else fix}")
+
+
+def chunk_samples_for(sample_bytes: int, free: int) -> int:
+    """`dataset.chunk_samples` that keeps two chunks (what `pinned_chunk` holds) within half of `free`."""
+    return max(1, free // (4 * sample_bytes))

@@ -9,9 +9,10 @@ class BaselineLoader(DeviceLoader):
         self.dataloader = self._dataloader(pin_memory=False)
 
     def __iter__(self):
-        for batch in self.dataloader:
+        for batch in self._batches():
             # Pageable source: CUDA stages it through a driver buffer and the host waits.
             yield self._copy(batch, non_blocking=False)
 
     def close(self):
+        super().close()
         self.dataloader = None

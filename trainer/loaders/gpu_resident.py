@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from trainer.loaders.base import DeviceLoader
+from trainer.errors import ConfigError
+from trainer.loaders.base import DeviceLoader, check_host_fits
 from trainer.loaders.order import epoch_order
 
 
@@ -21,8 +22,12 @@ class GpuResidentLoader(DeviceLoader):
         super().__init__(cfg, dataset, device, seed)
         start = time.perf_counter()
         n = len(dataset)
+        chunk = dataset.chunk_samples * dataset.sample_bytes  # each chunk passes through host memory
         if self.on_cuda:
             check_fits(dataset.nbytes + n * 8, self.device)
+        check_host_fits(chunk + (0 if self.on_cuda else dataset.nbytes + n * 8),
+                        f"loader=gpu_resident{'' if self.on_cuda else ' on the CPU (the whole dataset in host memory)'}",
+                        "set a smaller dataset.num_samples (or more dataset.chunks)")
         self.x = torch.empty((n, *dataset.sample_shape), dtype=dataset.storage_dtype, device=self.device)
         self.y = torch.empty((n,), dtype=torch.int64, device=self.device)
         for c in range(dataset.num_chunks):
@@ -38,7 +43,10 @@ class GpuResidentLoader(DeviceLoader):
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         b, n = self.cfg.batch_size, len(self.x)
-        order = epoch_order(n, self.cfg.shuffle, self.seed, epoch).to(self.device)
+        if self.cfg.shuffle:
+            order = epoch_order(n, True, self.seed, epoch)
+            if self.on_cuda:  # from pinned memory: a pageable copy would wait for every queued step
+                order = order.pin_memory().to(self.device, non_blocking=True)
         for i in range(len(self)):
             if self.cfg.shuffle:
                 idx = order[i * b:(i + 1) * b]
@@ -55,7 +63,7 @@ def check_fits(needed: int, device: torch.device) -> None:
     """Fail before allocating when the data cannot fit, saying how much is needed and free."""
     free, total = torch.cuda.mem_get_info(device)
     if needed > free:
-        raise MemoryError(
+        raise ConfigError(
             f"loader=gpu_resident needs {needed / 2**30:.2f} GiB of GPU memory but only {free / 2**30:.2f} GiB "
             f"of {total / 2**30:.2f} GiB is free: use loader=pinned_chunk or a smaller dataset.num_samples"
         )

@@ -1,6 +1,9 @@
 """`pinned`: DataLoader(pin_memory=True) and `.to(device, non_blocking=True)` on the compute
 stream – what Lightning and accelerate do today. The copy is async for the host but still
-queued in front of the step on the same stream, so it does not overlap compute."""
+queued in front of the step on the same stream, so it does not overlap compute.
+
+`loader.non_blocking=false` makes the copy blocking, as a plain `.cuda()` is (seed 002's
+question): the batch is pinned, but the host still waits for every copy."""
 
 from trainer.loaders.base import DeviceLoader
 
@@ -13,8 +16,9 @@ class PinnedLoader(DeviceLoader):
         self.dataloader = self._dataloader(pin_memory=True)
 
     def __iter__(self):
-        for batch in self.dataloader:
-            yield self._copy(batch, non_blocking=True)
+        for batch in self._batches():
+            yield self._copy(batch, non_blocking=self.cfg.non_blocking)
 
     def close(self):
+        super().close()
         self.dataloader = None

@@ -3,22 +3,29 @@
 The data is loaded chunk by chunk straight into page-locked buffers allocated once (no
 `.pin_memory()` copy of a pageable tensor). Batches are contiguous slices of the chunk, so they
 stay pinned (a fancy-indexed gather would not), and are copied on a side stream like `prefetch`.
-Shuffling permutes the order of the slices each epoch (and, with `shuffle_rows`, the rows of a
-chunk once when it is loaded). With several chunks, two buffers alternate: the next chunk loads
-in a background thread while the current one is being copied to the device.
+Shuffling permutes the order of the batches within each chunk every epoch (and, with
+`shuffle_rows`, the rows of a chunk once when it is loaded). With several chunks, two buffers
+alternate: the next chunk loads in a background thread while the current one is being copied.
+
+Batches follow the same grid as every other strategy (batch j holds samples j*B .. j*B+B-1), so
+without shuffling they are byte-identical to `baseline`'s. A batch that straddles two chunks is
+assembled in a small page-locked staging buffer from the tail of one chunk and the head of the next.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from trainer.loaders.base import DeviceLoader, pinned_empty
+from trainer.errors import ConfigError
+from trainer.loaders.base import DeviceLoader, check_host_fits, chunk_samples_for, pinned_empty
 from trainer.loaders.order import epoch_order
 from trainer.loaders.stream import SideStreamCopier
+
+_STAGES = 2  # staging buffers for straddling batches, used alternately
 
 
 class PinnedChunkLoader(DeviceLoader):
@@ -28,26 +35,34 @@ class PinnedChunkLoader(DeviceLoader):
         super().__init__(cfg, dataset, device, seed)
         if cfg.depth < 1:
             raise ValueError(f"loader.depth must be >= 1 (got {cfg.depth}): set loader.depth=1")
+        if dataset.num_chunks > 1 and dataset.chunk_samples < cfg.batch_size:
+            raise ConfigError(f"loader=pinned_chunk needs chunks of at least loader.batch_size={cfg.batch_size} samples "
+                              f"(got {dataset.chunk_samples}): lower dataset.chunks or loader.batch_size")
         start = time.perf_counter()
-        self.copier = SideStreamCopier(self, cfg.depth)
-        n_buffers = 1 if dataset.num_chunks == 1 else 2
-        rows = dataset.chunk_samples
-        self.buffers = [
-            (pinned_empty((rows, *dataset.sample_shape), dataset.storage_dtype, self.on_cuda),
-             pinned_empty((rows,), torch.int64, self.on_cuda))
-            for _ in range(n_buffers)
-        ]
-        self.pinned_bytes = sum(x.nbytes + y.nbytes for x, y in self.buffers) if self.on_cuda else 0
-        self.last_copy = [None] * n_buffers  # latest copy event reading each buffer
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-load") if n_buffers > 1 else None
-        self.ready = self._load(0, 0)  # (chunk, buffer, x, y) or a Future of it
+        self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)
+        n_chunk_buffers = 1 if dataset.num_chunks == 1 else 2
+        check_host_fits(n_chunk_buffers * dataset.chunk_samples * (dataset.sample_bytes + 8),  # samples + int64 labels
+                        f"loader=pinned_chunk ({n_chunk_buffers} page-locked buffer(s) of dataset.chunk_samples={dataset.chunk_samples})",
+                        lambda free: f"set dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)} "
+                                     f"or a smaller dataset.num_samples")
+        pin, shape = self.on_cuda, dataset.sample_shape
+        self.buffers = [(pinned_empty((rows, *shape), dataset.storage_dtype, pin), pinned_empty((rows,), torch.int64, pin))
+                        for rows in [dataset.chunk_samples] * n_chunk_buffers + [cfg.batch_size] * _STAGES * (n_chunk_buffers > 1)]
+        self.pinned_bytes = sum(x.nbytes + y.nbytes for x, y in self.buffers) if pin else 0
+        self.last_copy = [None] * len(self.buffers)  # latest copy event reading each buffer
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-load") if n_chunk_buffers > 1 else None
+        self.ready = self._load(0, 0)  # (chunk, buffer, x, y), or a Future of it
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
 
-    def _load(self, chunk: int, buffer: int):
-        """Load `chunk` into `buffer` once no copy still reads that buffer."""
+    def _wait_free(self, buffer: int) -> None:
+        """Block until no issued copy still reads `buffer`."""
         if self.last_copy[buffer] is not None:
-            self.last_copy[buffer].synchronize()  # host waits here, in the loader thread
+            self.last_copy[buffer].synchronize()
+
+    def _load(self, chunk: int, buffer: int):
+        """Load `chunk` into `buffer` once no copy still reads it (runs in the loader thread)."""
+        self._wait_free(buffer)
         x_buf, y_buf = self.buffers[buffer]
         x, y = self.dataset.load_chunk(chunk, out=x_buf)
         n = len(x)
@@ -60,34 +75,50 @@ class PinnedChunkLoader(DeviceLoader):
         return chunk, buffer, x, y
 
     def _take(self, chunk: int):
-        ready = self.ready.result() if hasattr(self.ready, "result") else self.ready
+        ready = self.ready.result() if isinstance(self.ready, Future) else self.ready
         if ready[0] != chunk:  # an earlier pass stopped early: load what this one needs
             ready = self._load(chunk, ready[1])
         return ready
 
     def _host_slices(self, epoch: int):
+        """Yield `((x, y), buffer)` host batches: slices of the loaded chunk, in shuffled order."""
         ds, b = self.dataset, self.cfg.batch_size
+        tail = None  # (stage buffer, rows filled) carried from the previous chunk
         for c in range(ds.num_chunks):
-            self.ready = ready = self._take(c)
-            _, buffer, x, y = ready
+            _, buffer, x, y = self.ready = self._take(c)
+            lo, hi = ds.chunk_range(c)
+            head = min((-lo) % b, hi - lo)  # rows that complete the batch begun in the previous chunk
+            items = []
+            if tail is not None:
+                stage, filled = tail
+                sx, sy = self.buffers[stage]
+                sx[filled:filled + head].copy_(x[:head])
+                sy[filled:filled + head].copy_(y[:head])
+                items.append((sx[:filled + head], sy[:filled + head], stage))
+            starts = range(head, hi - lo, b)
+            items += [(x[s:s + b], y[s:s + b], buffer) for s in starts]
+            tail = None
+            if c + 1 < ds.num_chunks and len(items[-1][0]) < b:  # this chunk's last rows start a batch
+                items.pop()
+                s = starts[-1]
+                stage = len(self.buffers) - _STAGES + c % _STAGES
+                self._wait_free(stage)
+                sx, sy = self.buffers[stage]
+                sx[:hi - lo - s].copy_(x[s:])
+                sy[:hi - lo - s].copy_(y[s:])
+                tail = (stage, hi - lo - s)
             if self.pool is not None:  # overlap the next chunk's load with this chunk's copies
                 self.ready = self.pool.submit(self._load, (c + 1) % ds.num_chunks, 1 - buffer)
-            n_slices = math.ceil(len(x) / b)
-            for s in epoch_order(n_slices, self.cfg.shuffle, self.seed, epoch * ds.num_chunks + c).tolist():
-                xs, ys = x[s * b:(s + 1) * b], y[s * b:(s + 1) * b]
+            for i in epoch_order(len(items), self.cfg.shuffle, self.seed, epoch * ds.num_chunks + c).tolist():
+                xs, ys, source = items[i]
                 if self.cfg.drop_last and len(xs) < b:
                     continue
                 # A contiguous slice of a page-locked buffer is page-locked too.
                 assert xs.is_pinned() or not self.on_cuda
-                yield (xs, ys), buffer
+                yield (xs, ys), source
 
     def _copied(self, buffer: int, event) -> None:
         self.last_copy[buffer] = event
-
-    def __len__(self) -> int:
-        ds, b = self.dataset, self.cfg.batch_size
-        sizes = [stop - start for start, stop in map(ds.chunk_range, range(ds.num_chunks))]
-        return sum(n // b if self.cfg.drop_last else math.ceil(n / b) for n in sizes)
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1

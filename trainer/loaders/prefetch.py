@@ -16,7 +16,8 @@ class PrefetchLoader(DeviceLoader):
         self.copier = SideStreamCopier(self, cfg.depth)  # one stream for the loader's lifetime
 
     def __iter__(self):
-        return self.copier.run((batch, None) for batch in self.dataloader)
+        return self.copier.run((batch, None) for batch in self._batches())
 
     def close(self):
+        super().close()
         self.dataloader = None

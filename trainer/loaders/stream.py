@@ -20,8 +20,9 @@ class SideStreamCopier:
       tells the owner of a reused host buffer when the copy reading it is issued.
     """
 
-    def __init__(self, loader, depth: int):
+    def __init__(self, loader, depth: int, reuses_host_buffers: bool = False):
         self.loader, self.depth = loader, depth
+        self.reuses_host_buffers = reuses_host_buffers
         self.stream = torch.cuda.Stream(loader.device) if loader.on_cuda else None
 
     def run(self, host_batches: Iterable, on_copied: Optional[Callable] = None) -> Iterator[Batch]:
@@ -29,7 +30,8 @@ class SideStreamCopier:
         loader = self.loader
         if self.stream is None:  # CPU: nothing to overlap
             for batch, _ in host_batches:
-                yield batch
+                # A view of a buffer that will be refilled must not escape to the caller.
+                yield tuple(t.clone() for t in batch) if self.reuses_host_buffers else batch
             return
         compute = torch.cuda.current_stream(loader.device)
         source, in_flight = iter(host_batches), deque()

@@ -1,0 +1,92 @@
+"""Run `python -m trainer` as a user does, and read back what it left in MLflow."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from mlflow.tracking import MlflowClient
+
+from conftest import TINY  # noqa: F401  (re-exported for the tests)
+
+# Long enough to interrupt: 20 ms per step for thousands of steps.
+LONG = ["model=noop", "model.busy_ms=20", "dataset.num_samples=100000", "dataset.shape=[4,4]", "loader.batch_size=8",
+        "engine.epochs=1", "engine.warmup_steps=2", "engine.progress=false", "engine.device=cpu"]
+
+
+def command(tmp_path: Path, uri: str, *overrides: str) -> List[str]:
+    """The command line, with Hydra's output folders inside `tmp_path`."""
+    multirun = "-m" in overrides
+    return [sys.executable, "-m", "trainer", *overrides, f"tracking.uri={uri}",
+            f"hydra.sweep.dir={tmp_path / 'multirun'}" if multirun else f"hydra.run.dir={tmp_path / 'hydra'}"]
+
+
+def run_cli(tmp_path: Path, uri: str, *overrides: str, env: Optional[dict] = None,
+            timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(command(tmp_path, uri, *overrides), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, **(env or {})))
+
+
+def error_line(proc: subprocess.CompletedProcess, pattern: str) -> re.Match:
+    """The process failed with exit status 1 and exactly one `error:` line matching `pattern`,
+    and no traceback."""
+    assert proc.returncode == 1, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr
+    found = re.search(pattern, lines[0])
+    assert found, lines[0]
+    return found
+
+
+def all_runs(uri: str, experiment: str = "feedbench"):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"]) if exp else []
+
+
+def steps_csv(uri: str, run_id: str) -> List[dict]:
+    local = Path(MlflowClient(uri).download_artifacts(run_id, "steps.csv"))
+    return list(csv.DictReader(io.StringIO(local.read_text())))
+
+
+def wait_for_running(uri: str, proc: subprocess.Popen, count: int = 1, timeout: float = 120, settle: float = 5.0):
+    """Block until `count` runs are RUNNING-or-done and the newest is RUNNING, then `settle`
+    seconds more (steps are taken meanwhile: nothing is logged inside the loop to poll for)."""
+    MlflowClient(uri).search_experiments()  # create the store's tables before the child opens it
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        runs = [r for r in all_runs(uri) if r.data.tags.get("sweep") != "true"]
+        if len(runs) >= count and runs[-1].info.status == "RUNNING":
+            time.sleep(settle)
+            return runs
+        time.sleep(0.2)
+    raise AssertionError(f"no RUNNING run after {timeout} s")
+
+
+def children_of(pid: int) -> List[int]:
+    """Child processes of `pid` forked from it, as DataLoader workers are, or exited and not
+    reaped (zombies) (Linux /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            found += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    command = Path(f"/proc/{pid}/cmdline").read_bytes()
+    return [c for c in found if _read(f"/proc/{c}/cmdline") == command or b") Z " in _read(f"/proc/{c}/stat")]
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""

@@ -1,0 +1,255 @@
+"""Bad input ends in one clear line and exit status 1, never a traceback; a run that had started
+is marked FAILED in MLflow with what it measured."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+
+import pytest
+import torch
+
+from clirun import TINY, all_runs, error_line, run_cli, steps_csv
+from fake_data import write_mnist
+from trainer.errors import ConfigError
+from trainer.run import run
+
+
+# -- caught when Hydra composes the config ---------------------------------------------------------
+def test_unknown_group_option_lists_the_options(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "loader=prefech")
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "Could not find 'loader/prefech'" in proc.stderr
+    assert all(f"\t{name}\n" in proc.stderr for name in ("baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident"))
+    assert all_runs(tracking_uri) == []
+
+
+@pytest.mark.parametrize("override,message", ids=["typo", "type"], argvalues=[
+    ("loader.pin_memroy=true", "Key 'pin_memroy' not in"),
+    ("loader.batch_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
+])
+def test_unknown_key_and_wrong_type_fail_at_compose_time(tmp_path, tracking_uri, override, message):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, override)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and f"full_key: {override.split('=')[0]}" in proc.stderr
+    assert all_runs(tracking_uri) == []
+
+
+# -- caught by trainer.validate before a run is opened ---------------------------------------------
+@pytest.mark.parametrize("overrides,pattern", [
+    pytest.param(["loader.batch_size=0"], r"loader\.batch_size must be >= 1 \(got 0\): set loader\.batch_size=64$", id="loader.batch_size=0"),
+    pytest.param(["loader.num_workers=-1"], r"loader\.num_workers must be >= 0 \(got -1\): set loader\.num_workers=0$", id="loader.num_workers=-1"),
+    pytest.param(["loader=prefetch", "loader.depth=0"], r"loader\.depth must be >= 1 \(got 0\): set loader\.depth=1$", id="loader=prefetch loader.depth=0"),
+    pytest.param(["engine.epochs=0", "engine.max_steps=0"], r"engine\.epochs must be >= 1 \(got 0\): set engine\.epochs=1", id="engine.epochs=0 engine.max_steps=0"),
+    pytest.param(["dataset.shape=[0,28]"], r"dataset\.shape must be .*>= 1 \(got \[0, 28\]\): set dataset\.shape=", id="dataset.shape=[0,28]"),
+    pytest.param(["model.busy_ms=-5"], r"model\.busy_ms must be >= 0 \(got -5\.0\): set model\.busy_ms=0$", id="model.busy_ms=-5"),
+    pytest.param(["model=mlp", "dataset.num_classes=1"], r"model=mlp needs labels of at least 2 classes \(got dataset\.num_classes=1\)", id="model=mlp dataset.num_classes=1"),
+])
+def test_out_of_range_values_name_key_value_and_fix(tmp_path, tracking_uri, overrides, pattern):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, *overrides)
+    error_line(proc, pattern)
+    assert all_runs(tracking_uri) == []  # refused before anything was recorded
+
+
+def test_cuda_without_cuda(tmp_path, tracking_uri):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.device=cuda")
+    error_line(proc, r"engine\.device=cuda but no CUDA device is available: use engine\.device=auto")
+    assert all_runs(tracking_uri) == []
+
+
+def test_validate_accepts_every_option_as_composed():
+    from conftest import compose_config
+    from trainer.config import SCHEMAS
+    from trainer.validate import validate
+    for group, options in SCHEMAS.items():
+        for option in options:
+            validate(compose_config(f"{group}={option}"))
+
+
+# -- caught once the run is open: it is marked FAILED ----------------------------------------------
+def failed_run(uri: str):
+    (r,) = all_runs(uri)
+    assert r.info.status == "FAILED"
+    return r
+
+
+def test_batch_larger_than_the_dataset(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "loader.batch_size=500")
+    found = error_line(proc, r"loader\.batch_size must be <= 96, the samples in dataset=synthetic \(got 500\): "
+                             r"set loader\.batch_size=64 .*\(run (\w+) marked FAILED\)")
+    r = failed_run(tracking_uri)
+    assert found.group(1) == r.info.run_id and "loader.batch_size must be <= 96" in r.data.tags["error"]
+
+
+@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "baseline"], argvalues=[
+    ("pinned_chunk", r"loader=pinned_chunk \(1 page-locked buffer.*\) needs ([\d.]+) GiB of host memory but only "
+                     r"([\d.]+) GiB is available: set dataset\.chunk_samples=\d+"),
+    ("baseline", r"loader=baseline \(the whole dataset in host memory\) needs ([\d.]+) GiB of host memory but only "
+                 r"([\d.]+) GiB is available: use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
+])
+def test_more_host_memory_than_available_fails_before_allocating(tmp_path, tracking_uri, strategy, pattern):
+    # 10^6 samples of 1024 x 1024 float32: 3.8 TiB
+    start = time.monotonic()
+    proc = run_cli(tmp_path, tracking_uri, *TINY, f"loader={strategy}", "dataset.num_samples=1000000",
+                   "dataset.shape=[1024,1024]")
+    found = error_line(proc, pattern)
+    needed, available = float(found.group(1)), float(found.group(2))
+    assert needed == pytest.approx(10**6 * 2**22 / 2**30, rel=0.01) and needed > available
+    assert time.monotonic() - start < 120  # nothing was generated
+    failed_run(tracking_uri)
+
+
+@pytest.mark.gpu
+def test_more_gpu_memory_than_free_fails_before_allocating(tmp_path, tracking_uri):
+    free, _ = torch.cuda.mem_get_info()
+    n = int(2 * free / 2**22) + 1  # twice the free GPU memory, in 4 MiB samples
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.device=cuda", "loader=gpu_resident",
+                   f"dataset.num_samples={n}", "dataset.shape=[1024,1024]")
+    error_line(proc, r"loader=gpu_resident needs [\d.]+ GiB of GPU memory but only [\d.]+ GiB of [\d.]+ GiB is free: "
+                     r"use loader=pinned_chunk or a smaller dataset\.num_samples")
+    failed_run(tracking_uri)
+
+
+VISION = [o for o in TINY if not o.startswith(("dataset.shape=", "dataset.num_samples="))]
+
+
+def test_mnist_missing_offline(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *VISION, "dataset=mnist", f"dataset.root={tmp_path / 'data'}",
+                   "dataset.download=false")
+    error_line(proc, r"dataset=mnist: MNIST not found in .*dataset\.root=.*missing train-images-idx3-ubyte.*"
+                     r"set dataset\.download=true")
+    assert "dataset=mnist" in failed_run(tracking_uri).data.tags["error"]
+
+
+def test_mnist_corrupt(tmp_path, tracking_uri):
+    root = tmp_path / "data"
+    write_mnist(root, gz=False)
+    images = root / "MNIST" / "raw" / "train-images-idx3-ubyte"
+    images.write_bytes(images.read_bytes()[:1000])  # truncated
+    proc = run_cli(tmp_path, tracking_uri, *VISION, "dataset=mnist", f"dataset.root={root}", "dataset.download=false")
+    error_line(proc, r"dataset=mnist: .*train-images-idx3-ubyte is truncated")
+    failed_run(tracking_uri)
+
+
+def test_cifar_corrupt(tmp_path, tracking_uri):
+    folder = tmp_path / "data" / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch", "batches.meta"]:
+        (folder / name).write_bytes(b"not a pickle")
+    proc = run_cli(tmp_path, tracking_uri, *VISION, "dataset=cifar10", f"dataset.root={tmp_path / 'data'}",
+                   "dataset.download=false")
+    error_line(proc, r"dataset=cifar10: .*data_batch_1.*md5")
+    failed_run(tracking_uri)
+
+
+# -- tracking.uri ----------------------------------------------------------------------------------
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_unreachable_tracking_server_fails_fast(tmp_path):
+    uri = f"http://127.0.0.1:{closed_port()}"
+    start = time.monotonic()
+    proc = run_cli(tmp_path, uri, *TINY)
+    error_line(proc, rf"tracking\.uri={uri} is unreachable \(.*\): start the MLflow server there, or set tracking\.uri=null")
+    assert time.monotonic() - start < 60  # not MLflow's minutes of retries
+
+
+def test_tracking_folder_missing(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'nowhere' / 'mlflow.db'}"
+    proc = run_cli(tmp_path, uri, *TINY)
+    error_line(proc, rf"tracking\.uri={uri}: folder {tmp_path / 'nowhere'} does not exist: create it")
+    assert not (tmp_path / "nowhere").exists()
+
+
+def test_tracking_folder_read_only(tmp_path):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):  # root ignores permission bits: use a folder nobody can write in
+        folder = "/sys"
+    uri = f"sqlite:///{folder}/mlflow.db"
+    try:
+        proc = run_cli(tmp_path, uri, *TINY)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    error_line(proc, rf"tracking\.uri={uri}: cannot write in {folder} \(.+\): use a writable folder or set tracking\.uri=null")
+
+
+def test_check_tracking_uri_accepts_a_writable_sqlite_folder(tracking_uri):
+    from trainer.tracking import check_tracking_uri
+    check_tracking_uri(tracking_uri)  # the folder exists and is writable: no error
+    with pytest.raises(ConfigError, match="does not exist"):
+        check_tracking_uri("sqlite:////nonexistent-feedbench/mlflow.db")
+
+
+# -- failures during the run -----------------------------------------------------------------------
+def test_nan_loss_stops_the_run_failed_at_its_step_keeping_the_data(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "dataset.num_samples=4000", "engine.optimizer.name=sgd",
+                   "engine.optimizer.lr=1e10")
+    found = error_line(proc, r"loss became (nan|inf) at step (\d+) \(engine\.optimizer\.lr=[\d.e+]+\): "
+                             r"lower engine\.optimizer\.lr")
+    step = int(found.group(2))
+    r = failed_run(tracking_uri)
+    assert r.data.tags["failed_step"] == str(step)
+    rows = steps_csv(tracking_uri, r.info.run_id)
+    losses = [float(x["loss"]) for x in rows]
+    assert all(math.isfinite(v) for v in losses[:step - 1]) and not math.isfinite(losses[step - 1])
+    # stopped soon after (checked every 20 steps, lagged), not after all 250 steps
+    assert step <= len(rows) <= step + 40 < 250
+    assert r.data.metrics["total_steps"] == len(rows)
+
+
+def test_nan_in_the_last_steps_is_caught_after_the_loop(tiny_cfg, runs):
+    # 6 steps: fewer than one lagged check; the final check after the loop finds it.
+    from trainer.errors import RunFailed
+    with pytest.raises(RunFailed, match=r"loss became (nan|inf) at step \d") as failure:
+        run(tiny_cfg("engine.optimizer.name=sgd", "engine.optimizer.lr=1e10"))
+    (r,) = runs()
+    assert r.info.status == "FAILED" and r.data.tags["failed_step"] == str(failure.value.step)
+    assert r.data.metrics["total_steps"] == 6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+def test_nan_loss_on_gpu_is_found_lagged(tiny_cfg, runs, graph):
+    from trainer.errors import RunFailed
+    with pytest.raises(RunFailed, match=r"loss became (nan|inf) at step \d+") as failure:
+        run(tiny_cfg("engine.device=cuda", "dataset.num_samples=4000", "engine.optimizer.name=sgd",
+                     "engine.optimizer.lr=1e10", f"engine.cuda_graph={str(graph).lower()}"))
+    (r,) = runs()
+    step, done = failure.value.step, int(r.data.metrics["total_steps"])
+    assert r.info.status == "FAILED" and r.data.tags["failed_step"] == str(step)
+    assert step <= done <= step + 60 < 250  # read a few checks late at most, never at the end
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_names_batch_size_and_strategy(tmp_path, tracking_uri):
+    # The first layer's output alone is 65536 x 2^20 floats: 256 GiB.
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.device=cuda", "loader=gpu_resident", "model=mlp",
+                   "model.hidden=1048576", "dataset.num_samples=65536", "loader.batch_size=65536", "engine.max_steps=2")
+    error_line(proc, r"out of GPU memory with loader=gpu_resident loader\.batch_size=65536 model=mlp: "
+                     r"set loader\.batch_size=32768 or smaller")
+    assert "out of GPU memory" in failed_run(tracking_uri).data.tags["error"]
+
+
+# -- HYDRA_FULL_ERROR and sweeps -------------------------------------------------------------------
+def test_full_trace_on_request(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "loader.batch_size=0", env={"HYDRA_FULL_ERROR": "1"})
+    assert proc.returncode == 1
+    assert "Traceback" in proc.stderr and "ConfigError: loader.batch_size must be >= 1" in proc.stderr
+
+
+def test_a_bad_job_in_a_sweep_fails_alone(tmp_path, tracking_uri):
+    tiny = [o for o in TINY if not o.startswith("loader.batch_size=")]
+    proc = run_cli(tmp_path, tracking_uri, "-m", "loader.batch_size=0,16", *tiny)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.count("error: loader.batch_size must be >= 1 (got 0)") == 1
+    jobs = {r.data.tags.get("sweep.job"): r.info.status for r in all_runs(tracking_uri) if r.data.tags.get("sweep") != "true"}
+    assert jobs["1"] == "FINISHED"  # the good job still ran

@@ -1,0 +1,152 @@
+"""CUDA paths, measured on a GPU machine (skipped elsewhere): timing, async-copy safety, memory."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from datasets import build_dataset
+from trainer.config import SCHEMAS
+from trainer.loaders import build_loader
+from trainer.run import run
+from trainer.verify import Checksum
+
+pytestmark = pytest.mark.gpu
+STRATEGIES = list(SCHEMAS["loader"])
+COPYING = [s for s in STRATEGIES if s != "gpu_resident"]
+SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
+
+
+def gpu(tiny_cfg, *overrides):
+    return tiny_cfg("engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", *overrides)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_cuda_path_times_copy_and_compute(strategy, tiny_cfg, runs):
+    summary = run(gpu(tiny_cfg, f"loader={strategy}", "engine.epochs=2", "engine.warmup_steps=4"))
+    (r,) = runs()
+    assert r.data.tags["degraded"] == "false" and r.data.tags["device"] == "cuda"
+    assert r.data.tags["gpu_name"] != "none"
+    assert summary["median_compute_ms"] > 0 and summary["peak_gpu_mem_mb"] > 0
+    if strategy in COPYING:
+        assert summary["median_h2d_ms"] > 0 and summary["h2d_GBps"] > 0
+        assert summary["h2d_peak_pinned_GBps"] > 0
+    else:
+        assert summary["median_h2d_ms"] == 0 and summary["setup_s"] > 0
+    if strategy == "pinned_chunk":
+        assert summary["pinned_host_mb"] > 0 and summary["setup_s"] > 0
+
+
+@pytest.mark.parametrize("shuffle", ["false", "true"])
+def test_cuda_strategies_deliver_the_same_samples(shuffle, tiny_cfg, runs):
+    for s in SAME_SAMPLES:
+        run(gpu(tiny_cfg, f"loader={s}", "engine.verify=true", "engine.epochs=3", "dataset.chunks=3",
+                f"loader.shuffle={shuffle}", "loader.num_workers=2"))
+    found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["epoch_checksums"]) for r in runs()}
+    assert len({epochs for _, epochs in found.values()}) == 1, found
+    ordered = {s for s in SAME_SAMPLES if shuffle == "false" or s != "pinned_chunk"}
+    assert len({found[s][0] for s in ordered}) == 1, found
+
+
+class _Delayed(torch.utils.data.Dataset):
+    """Producer-side jitter: some samples take a little longer to load."""
+
+    def __init__(self, inner, rng):
+        self.inner, self.rng = inner, rng
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        if self.rng.random() < 0.05:
+            time.sleep(self.rng.random() * 2e-4)
+        return self.inner[i]
+
+
+def _batch_hashes(loader, epochs, consumer_jitter: bool, rng):
+    """Per-batch order-dependent hash, computed on the consumer's stream after a random delay:
+    if the loader let a copy overwrite memory the step still reads, the hash would change."""
+    ck, out = Checksum(loader.device), []
+    for _ in range(epochs):
+        for x, y in loader:
+            if consumer_jitter:
+                if rng.random() < 0.1:
+                    time.sleep(rng.random() * 2e-4)
+                torch.cuda._sleep(int(rng.random() * 200_000))  # the 'step' reads x only after this
+            h = ck._sample_hashes(x, y)
+            out.append((h * torch.arange(1, len(h) + 1, device=h.device)).sum())
+    return torch.stack(out).cpu() if loader.device.type == "cuda" else torch.stack(out)
+
+
+@pytest.mark.parametrize("strategy", ["pinned", "prefetch", "pinned_chunk"])
+def test_stress_random_delays_10k_batches_no_mismatch(strategy, tiny_cfg):
+    cfg = tiny_cfg(f"loader={strategy}", "dataset.num_samples=2000", "dataset.shape=[32,32]", "dataset.chunks=4",
+                   "loader.batch_size=16", "loader.depth=3" if strategy != "pinned" else "loader.shuffle=true")
+    rng = random.Random(0)
+    results = {}
+    for device in ("cpu", "cuda"):
+        ds = build_dataset(cfg.dataset)
+        if device == "cuda":
+            per_sample, load_chunk = ds.per_sample, ds.load_chunk
+            ds.per_sample = lambda: _Delayed(per_sample(), rng)
+
+            def slow_load(i, out=None):
+                time.sleep(rng.random() * 5e-3)
+                return load_chunk(i, out)
+            ds.load_chunk = slow_load
+        loader = build_loader(cfg.loader, ds, torch.device(device), seed=3)
+        results[device] = _batch_hashes(loader, epochs=80, consumer_jitter=device == "cuda", rng=rng)
+        loader.close()
+    assert len(results["cuda"]) >= 10_000
+    mismatches = int((results["cuda"] != results["cpu"]).sum())
+    assert mismatches == 0
+
+
+def _host_pinned_bytes():
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return stats.get("reserved_bytes.current", stats.get("allocated_bytes.all.current", 0))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_no_memory_growth_over_20_epochs(strategy, tiny_cfg):
+    cfg = gpu(tiny_cfg, f"loader={strategy}", "dataset.chunks=2", "loader.num_workers=2", "loader.persistent_workers=true")
+    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
+    reserved, pinned = [], []
+    for _ in range(20):
+        for x, y in loader:
+            x.sum()
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.memory_reserved())
+        pinned.append(_host_pinned_bytes())
+    loader.close()
+    assert reserved[2:] == [reserved[2]] * 18, reserved
+    assert pinned[2:] == [pinned[2]] * 18, pinned
+
+
+def test_graphed_step_trains_like_the_eager_one(tiny_cfg):
+    common = ("loader=prefetch", "loader.shuffle=false", "engine.epochs=3", "model.hidden=32")
+    eager = run(gpu(tiny_cfg, *common))
+    graphed = run(gpu(tiny_cfg, *common, "engine.cuda_graph=true"))
+    assert graphed["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+
+
+def test_profile_trace_shows_side_stream_copies(tiny_cfg, runs, tracking_uri):
+    run(gpu(tiny_cfg, "loader=prefetch", "engine.profile=true", "engine.epochs=3", "engine.warmup_steps=2"))
+    (r,) = runs()
+    path = MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json")
+    events = json.loads(Path(path).read_text())["traceEvents"]
+    copies = [e for e in events if "Memcpy HtoD" in e.get("name", "")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    assert copies and kernels
+    assert {c["tid"] for c in copies}.isdisjoint({k["tid"] for k in kernels})  # copies on their own stream
+
+
+def test_busy_ms_adds_device_time(tiny_cfg):
+    summary = run(gpu(tiny_cfg, "model=noop", "model.busy_ms=2", "loader=gpu_resident", "engine.epochs=2"))
+    assert 1.8 < summary["median_compute_ms"] < 2.6

@@ -1,0 +1,207 @@
+"""Ctrl-C, SIGTERM and dying workers: the run is closed (KILLED or FAILED) with the steps it
+measured, workers and loader threads stop, and the exit status says what happened."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from clirun import LONG, TINY, all_runs, children_of, command, error_line, steps_csv, wait_for_running
+from trainer.errors import Interrupted
+from trainer.faults import StopSignals
+from trainer.run import run
+
+
+_started = []
+
+
+def start(tmp_path: Path, uri: str, *overrides: str, **popen) -> subprocess.Popen:
+    proc = subprocess.Popen(command(tmp_path, uri, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **popen)
+    _started.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    """A test that fails half-way must not leave its `python -m trainer` running into the next one."""
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
+def workers_of(pid: int, count: int = 1, timeout: float = 30) -> list:
+    """The DataLoader workers of `pid`, once `count` exist (they start with each pass)."""
+    deadline = time.monotonic() + timeout
+    while len(found := children_of(pid)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+def assert_killed_with_steps(uri: str, run_id: str, signame: str) -> int:
+    r = MlflowClient(uri).get_run(run_id)
+    assert r.info.status == "KILLED" and r.data.tags["interrupted_by"] == signame
+    rows = steps_csv(uri, run_id)
+    assert len(rows) >= 1 and [int(x["step"]) for x in rows] == list(range(1, len(rows) + 1))
+    history = MlflowClient(uri).get_metric_history(run_id, "step_ms")
+    assert sorted(m.step for m in history) == list(range(1, len(rows) + 1))  # per-step series up to the stop
+    assert r.data.metrics["total_steps"] == len(rows)
+    return len(rows)
+
+
+@pytest.mark.parametrize("sig,code,overrides", [
+    # SIGINT: the DataLoader path; SIGTERM: pinned_chunk, its loader thread busy reading the next chunk.
+    pytest.param(signal.SIGINT, 130, [], id="SIGINT"),
+    pytest.param(signal.SIGTERM, 143, ["loader=pinned_chunk", "dataset.chunks=4", "dataset.load_ms=300"], id="SIGTERM"),
+])
+def test_signal_mid_run_marks_the_run_killed_and_keeps_its_steps(tmp_path, tracking_uri, sig, code, overrides):
+    proc = start(tmp_path, tracking_uri, *LONG, *overrides)
+    (r,) = wait_for_running(tracking_uri, proc)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=60)  # returns only once every thread has stopped
+    assert proc.returncode == code, stderr
+    assert "Traceback" not in stderr
+    assert f"interrupted by {sig.name}: run {r.info.run_id} marked KILLED, what it measured is saved" in stderr
+    assert_killed_with_steps(tracking_uri, r.info.run_id, sig.name)
+
+
+def test_ctrl_c_in_a_terminal_stops_the_workers_too(tmp_path, tracking_uri):
+    """A terminal's Ctrl-C signals the whole process group, DataLoader workers included."""
+    proc = start(tmp_path, tracking_uri, *LONG, "loader.num_workers=2", start_new_session=True)
+    (r,) = wait_for_running(tracking_uri, proc)
+    assert len(workers_of(proc.pid, count=2)) >= 2
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGINT")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # every process of the group is gone
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("processes of the run are still alive")
+
+
+def test_a_dead_worker_fails_the_run_in_one_line_keeping_its_steps(tmp_path, tracking_uri):
+    proc = start(tmp_path, tracking_uri, *LONG, "loader.num_workers=2")
+    (r,) = wait_for_running(tracking_uri, proc)
+    (worker, *_) = workers_of(proc.pid)
+    os.kill(worker, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=60)
+    error_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr),
+               rf"a DataLoader worker failed with loader\.num_workers=2: DataLoader worker \(pid(?:\(s\))? {worker}\) "
+               rf".*: rerun with loader\.num_workers=0 .*\(run {r.info.run_id} marked FAILED\)")
+    r = MlflowClient(tracking_uri).get_run(r.info.run_id)
+    assert r.info.status == "FAILED" and "DataLoader worker" in r.data.tags["error"]
+    assert len(steps_csv(tracking_uri, r.info.run_id)) >= 1
+
+
+def test_ctrl_c_stops_a_sweep_and_keeps_the_finished_jobs(tmp_path, tracking_uri):
+    proc = start(tmp_path, tracking_uri, "-m", "engine.max_steps=4,100000,4", *LONG)
+    first, second = wait_for_running(tracking_uri, proc, count=2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert MlflowClient(tracking_uri).get_run(first.info.run_id).info.status == "FINISHED"
+    assert len(steps_csv(tracking_uri, first.info.run_id)) == 4
+    assert_killed_with_steps(tracking_uri, second.info.run_id, "SIGINT")
+    jobs = [r for r in all_runs(tracking_uri) if r.data.tags.get("sweep") != "true"]
+    assert len(jobs) == 2  # the third job never started
+    parents = [r.info.status for r in all_runs(tracking_uri) if r.data.tags.get("sweep") == "true"]
+    assert parents == ["KILLED"]  # the sweep's parent run
+
+
+# -- in one process ----------------------------------------------------------------------------------
+def signal_when_running(uri: str, sig: int) -> threading.Thread:
+    """Send `sig` to this process once a run is RUNNING and has had time to take steps."""
+    def watch():
+        MlflowClient(uri).search_experiments()
+        while not [r for r in all_runs(uri) if r.info.status == "RUNNING"]:
+            time.sleep(0.2)
+        time.sleep(5)
+        os.kill(os.getpid(), sig)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("overrides", [
+    pytest.param(["loader=baseline", "loader.num_workers=2"], id="workers"),
+    pytest.param(["loader=pinned_chunk", "dataset.chunks=4", "dataset.load_ms=200"], id="loader-thread"),
+])
+def test_interrupted_run_leaves_no_workers_threads_or_handlers(tiny_cfg, tracking_uri, runs, overrides):
+    cfg = tiny_cfg(*[o for o in LONG if o not in TINY], *overrides)
+    before = signal.getsignal(signal.SIGTERM)
+    signal_when_running(tracking_uri, signal.SIGTERM)
+    with pytest.raises(Interrupted) as stop:
+        run(cfg)
+    assert stop.value.exit_code == 143
+    assert signal.getsignal(signal.SIGTERM) is before  # handlers restored
+    assert multiprocessing.active_children() == [] and children_of(os.getpid()) == []  # no live or zombie workers
+    assert not [t for t in threading.enumerate() if t.name.startswith("chunk-load")]
+    (r,) = runs()
+    assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGTERM")
+
+
+def test_a_held_signal_is_raised_once_the_run_is_saved():
+    done = []
+    with pytest.raises(Interrupted) as stop:
+        with StopSignals():  # held: opening or saving a run is not cut in half
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.1)
+            done.append("saved")
+    assert done == ["saved"] and stop.value.exit_code == 143
+
+
+def test_an_armed_signal_is_raised_at_once_and_a_second_held_one_too():
+    with pytest.raises(Interrupted) as stop:
+        with StopSignals() as signals:
+            signals.arm()
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+    assert stop.value.exit_code == 130
+    with pytest.raises(Interrupted):
+        with StopSignals():
+            os.kill(os.getpid(), signal.SIGINT)  # held
+            time.sleep(0.1)
+            os.kill(os.getpid(), signal.SIGINT)  # again: stop now
+            time.sleep(5)
+            pytest.fail("the second signal did not stop")
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_pinned_memory_returns_to_baseline_between_strategies(tiny_cfg):
+    """Strategies run back to back in one process hand back every page-locked block they took."""
+    def active_pinned() -> int:
+        """Page-locked bytes handed out and not yet given back (cached blocks excluded)."""
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.empty(1, pin_memory=True)  # an allocation makes the allocator retire blocks whose copies are done
+        stats = getattr(torch.cuda, "host_memory_stats", dict)()
+        if "active_bytes.current" not in stats:
+            pytest.skip("this torch reports no pinned-memory statistics")
+        return stats["active_bytes.current"]
+
+    torch.empty(1, device="cuda")  # CUDA initialised before the baseline is read
+    baseline = active_pinned()
+    for strategy in ["pinned", "prefetch", "pinned_chunk", "gpu_resident", "pinned_chunk"]:
+        summary = run(tiny_cfg("engine.device=cuda", f"loader={strategy}", "dataset.chunks=2", "loader.num_workers=2"))
+        assert summary["total_steps"] == 6
+        assert active_pinned() <= baseline, strategy

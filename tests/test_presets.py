@@ -1,0 +1,266 @@
+"""The `experiment=` presets: every one composes in every combination its sweep declares, the seed
+presets keep the seeds' real sizes, and each runs through `python -m trainer -m` on the CPU at a
+tiny size, one MLflow child run per combination. Also seed 000's own loader (`seed_iterable`)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from datasets import build_dataset
+from trainer.config import PROJECT_ROOT
+from trainer.errors import ConfigError
+from trainer.loaders import build_loader
+from trainer.validate import validate
+
+from clirun import run_cli
+from conftest import CONF_DIR
+from fake_data import write_cifar10, write_mnist
+
+PRESETS = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "experiment").glob("*.yaml"))
+# What tells the jobs of a sweep apart (MLflow params; a key a loader lacks reads "None").
+SETTING = ("loader.name", "loader.variant", "loader.non_blocking", "loader.batch_size", "loader.num_workers",
+           "loader.prefetch_factor", "model.name", "model.busy_ms", "engine.cuda_graph")
+CIFAR = ["dataset.download=false", "dataset.verify_md5=false"]
+MNIST = ["dataset.download=false"]
+STEPS = ["engine.max_steps=3", "engine.warmup_steps=1"]
+# Per seed preset: the jobs its sweep makes, and the size override that makes each tiny on the CPU
+# (the swept keys are left alone, so every combination still runs). `{root}` is the generated data.
+SEED_PRESETS: Dict[str, Tuple[int, List[str]]] = {
+    "seed000_copy": (3, ["dataset.num_samples=64", "dataset.shape=[8,8]", "loader.batch_size=64"]),
+    "seed000_loaders": (8, ["dataset.num_samples=64", "dataset.chunk_samples=32", "dataset.shape=[8,8]",
+                            "loader.batch_size=8", "engine.epochs=2"]),
+    "seed002": (6, ["dataset.root={root}", *CIFAR, *STEPS]),
+    "seed003": (10, ["dataset.root={root}", *MNIST, *STEPS]),
+    "seed004": (12, ["dataset.root={root}", *CIFAR, *STEPS]),
+    "limits": (16, ["dataset.shape=[4]", "engine.epochs=3", "engine.warmup_steps=1"]),
+}
+
+
+def compose_preset(*overrides: str, hydra: bool = False):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def sweep_combinations(preset: str) -> List[List[str]]:
+    """Every combination of the preset's `hydra.sweeper.params`, as override lists."""
+    params = compose_preset(f"experiment={preset}", hydra=True).hydra.sweeper.params or {}
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()])
+    axes = [[f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] for o in parsed]
+    return [list(combo) for combo in itertools.product(*axes)]
+
+
+def setting(cfg) -> Tuple[str, ...]:
+    return tuple(str(OmegaConf.select(cfg, k, default=None)) for k in SETTING)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    """MNIST and CIFAR-10 files in their real formats: enough CIFAR images for seed 002's batch of 1024."""
+    root = tmp_path_factory.mktemp("data")
+    write_mnist(root, n_train=128, n_test=16)
+    write_cifar10(root, n_train=1100, n_test=16)
+    return root
+
+
+# ----------------------------------------------------------------------------- composition
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_sweep_combination_composes_and_validates(preset):
+    combos = sweep_combinations(preset)
+    if preset in SEED_PRESETS:
+        assert len(combos) == SEED_PRESETS[preset][0]
+    settings = set()
+    for combo in combos:
+        cfg = compose_preset(f"experiment={preset}", *combo)
+        validate(cfg)
+        for override in combo:
+            key, value = override.split("=", 1)
+            if key.startswith("+experiment/"):
+                continue  # a case file: checked through the settings it makes
+            node = OmegaConf.select(cfg, key)
+            assert (node.name if key in ("loader", "model", "dataset") else str(node).lower()) == value.lower(), override
+        settings.add(setting(cfg))
+    assert len(settings) == len(combos)  # no two combinations compose to the same job
+
+
+def test_case_files_set_pinning_and_blocking_as_named():
+    cases = {case: compose_preset("experiment=seed004", f"+experiment/seed_transfer={case}").loader
+             for case in ("pageable", "pinned_blocking", "pinned_async")}
+    assert cases["pageable"].name == "baseline" and "non_blocking" not in cases["pageable"]
+    assert (cases["pinned_blocking"].name, cases["pinned_blocking"].non_blocking) == ("pinned", False)
+    assert (cases["pinned_async"].name, cases["pinned_async"].non_blocking) == ("pinned", True)
+    question = compose_preset("experiment=seed002", "+experiment/seed002_setting=question", "+experiment/seed_transfer=pinned_blocking")
+    answer = compose_preset("experiment=seed002", "+experiment/seed002_setting=answer", "+experiment/seed_transfer=pinned_async")
+    assert (question.loader.batch_size, question.loader.num_workers, question.model.busy_ms) == (64, 0, 0.0)
+    assert (answer.loader.batch_size, answer.loader.num_workers, answer.model.busy_ms) == (1024, 6, 100.0)
+    assert question.tracking.run_name == "pinned non_blocking=False batch=64 workers=0 busy_ms=0.0"
+
+
+def test_seed_presets_keep_the_seeds_sizes():
+    copy = compose_preset("experiment=seed000_copy")
+    assert copy.dataset.num_samples * math.prod(copy.dataset.shape) * 4 == 4 * 10**9  # torch.randn(1000, 1000, 1000)
+    assert copy.loader.batch_size == copy.dataset.num_samples  # one copy of the whole tensor per step
+    loaders = compose_preset("experiment=seed000_loaders")
+    d = loaders.dataset
+    assert (d.num_samples // d.chunk_samples, d.chunk_samples, list(d.shape), d.batches_per_chunk) == (2, 1000, [256, 256], 4)
+    assert (loaders.loader.batch_size, loaders.loader.num_workers, loaders.model.hidden) == (64, 0, 64)
+    for preset in ("seed002", "seed003", "seed004"):
+        assert compose_preset(f"experiment={preset}").dataset.num_samples == 0  # the whole training split
+    mnist = compose_preset("experiment=seed003")
+    assert (mnist.dataset.name, mnist.model.hidden, mnist.loader.batch_size, mnist.engine.optimizer.name,
+            mnist.engine.optimizer.lr, mnist.engine.warmup_steps) == ("mnist", 512, 64, "sgd", 0.01, math.ceil(60000 / 64))
+    sizes = []
+    for combo in sweep_combinations("limits"):
+        cfg = compose_preset("experiment=limits", *combo)
+        assert cfg.dataset.num_samples == cfg.loader.batch_size  # the dataset is one batch
+        sizes.append(cfg.loader.batch_size * math.prod(cfg.dataset.shape) * 4)
+    assert sorted(set(sizes)) == [64 * 2**10 * 4**k for k in range(8)] and max(sizes) == 2**30
+
+
+# ----------------------------------------------------------------------------- on the CPU, through the CLI
+@pytest.mark.parametrize("preset", list(SEED_PRESETS))
+def test_seed_preset_runs_every_combination_on_cpu(preset, tmp_path, tracking_uri, data_root):
+    jobs, tiny = SEED_PRESETS[preset]
+    tiny = [o.format(root=data_root) for o in tiny]
+    proc = run_cli(tmp_path, tracking_uri, "-m", f"experiment={preset}", *tiny, "engine.device=cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    client = MlflowClient(tracking_uri)
+    experiment = compose_preset(f"experiment={preset}").tracking.experiment
+    found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [r for r in found if r.data.tags.get("sweep") == "true"]
+    children = [r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.status == "FINISHED" and (parent.data.tags["jobs"], parent.data.tags["failed_jobs"]) == (str(jobs), "0")
+    assert len(children) == jobs and all(r.info.status == "FINISHED" for r in children)
+    # The jobs that ran are exactly the combinations the preset declares, at the tiny size.
+    expected = {setting(compose_preset(f"experiment={preset}", *combo, *tiny)) for combo in sweep_combinations(preset)}
+    ran = {tuple(r.data.params.get(k, "None") for k in SETTING) for r in children}
+    assert ran == expected
+    assert len({r.info.run_name for r in children}) == jobs  # every job named apart
+    check = PER_PRESET.get(preset)
+    if check:
+        check(children)
+
+
+def _check_copy(children):
+    by = {r.data.tags["strategy"]: r for r in children}
+    assert all(r.data.metrics["total_samples"] == 4 * 64 for r in children)  # 4 epochs of one 64-sample batch
+    assert by["pinned_chunk"].data.metrics["setup_s"] > 0 and by["baseline"].data.metrics["setup_s"] == 0
+
+
+def _check_loaders(children):
+    for r in children:
+        # the seed's 8 batches per pass (2 loads x 4), here 2 loads x 4 batches of 8 for 2 passes
+        assert r.data.metrics["total_steps"] == 16 and r.data.metrics["total_samples"] == 128
+        # only copying and pinning need CUDA: no_pinning runs as it would on a GPU machine
+        assert r.data.tags["degraded"] == str(r.data.params["loader.variant"] != "no_pinning").lower()
+
+
+def _check_limits(children):
+    for r in children:
+        assert r.data.metrics["total_samples"] == 3 * int(r.data.params["loader.batch_size"])
+
+
+PER_PRESET = {"seed000_copy": _check_copy, "seed000_loaders": _check_loaders, "limits": _check_limits}
+
+
+# ----------------------------------------------------------------------------- seed 000's own loader
+def seed_loader(*overrides: str):
+    cfg = compose_preset("loader=seed_iterable", "dataset.num_samples=40", "dataset.chunk_samples=20", "dataset.shape=[3,4]",
+                         "dataset.batches_per_chunk=3", "loader.batch_size=5", *overrides)
+    ds = build_dataset(cfg.dataset)
+    return build_loader(cfg.loader, ds, torch.device("cpu")), ds
+
+
+def _same(batches_a, batches_b) -> bool:
+    return len(batches_a) == len(batches_b) and all(
+        torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(batches_a, batches_b))
+
+
+@pytest.mark.parametrize("variant", ["no_pinning", "copy_in_loader", "pin_batches"])
+def test_seed_iterable_delivers_the_seeds_random_draws(variant):
+    loader, ds = seed_loader(f"loader.variant={variant}")
+    reference = ds.iterable(batch_size=5)
+    for epoch in range(2):
+        batches = list(loader)
+        assert len(batches) == len(loader) == 2 * 3
+        assert _same(batches, list(reference))  # row for row what the seed's IterableDataset yields
+    assert not torch.equal(batches[0][0], list(ds.iterable(batch_size=5))[0][0])  # a new pass draws new rows
+
+
+def test_seed_iterable_workers_draw_each_epochs_rows():
+    """Non-persistent workers start from a copy of the iterable: each pass must still be its own epoch."""
+    in_process, _ = seed_loader("loader.variant=no_pinning")
+    workers, _ = seed_loader("loader.variant=no_pinning", "loader.num_workers=2")
+    key = lambda batches: sorted((x.sum().item(), y.tolist()) for x, y in batches)  # noqa: E731
+    first, second = key(list(in_process)), key(list(in_process))
+    assert first != second
+    assert key(list(workers)) == first and key(list(workers)) == second
+
+
+def test_seed_iterable_pin_chunk_yields_the_first_contiguous_slices_of_each_chunk():
+    loader, ds = seed_loader("loader.variant=pin_chunk")
+    batches = list(loader)
+    assert len(batches) == len(loader) == 6
+    data = ds.materialize()
+    starts = [c * 20 + j * 5 for c in range(2) for j in range(3)]  # 3 slices of 5 rows from each chunk of 20
+    for (x, y), s in zip(batches, starts):
+        assert torch.equal(x, data[s:s + 5]) and torch.equal(y, ds.labels[s:s + 5])
+    one_pass, ds = seed_loader("loader.variant=pin_chunk", "dataset.batches_per_chunk=0")
+    assert torch.equal(torch.cat([x for x, _ in one_pass]), ds.materialize())  # 0: every slice, once
+
+
+@pytest.mark.parametrize("overrides,pattern", [
+    (["loader.variant=pin_everything"], r"loader\.variant must be one of no_pinning, copy_in_loader, pin_batches, "
+                                        r"pin_chunk \(got 'pin_everything'\): set loader\.variant=pin_batches"),
+    (["loader.variant=copy_in_loader", "loader.num_workers=2"], r"loader\.variant=copy_in_loader touches CUDA while "
+                                                               r"loading.*\(got loader\.num_workers=2\): set loader\.num_workers=0"),
+    (["loader.variant=pin_chunk", "loader.num_workers=1"], r"got loader\.num_workers=1\): set loader\.num_workers=0"),
+    (["loader.variant=pin_chunk", "dataset.batches_per_chunk=5"], r"dataset\.batches_per_chunk=5 batches of 5 rows off "
+                                                                  r"each chunk, but a chunk has 20: set dataset\.batches_per_chunk=0"),
+])
+def test_seed_iterable_rejects_what_cannot_run(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        seed_loader(*overrides)
+
+
+def test_seed_iterable_needs_the_synthetic_chunks(data_root):
+    cfg = compose_preset("dataset=mnist", f"dataset.root={data_root}", "dataset.download=false", "loader=seed_iterable")
+    with pytest.raises(ConfigError, match=r"loader=seed_iterable draws from seed 000's synthetic chunks \(got dataset=mnist\): "
+                                          r"set dataset=synthetic"):
+        build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- docs/results.md
+def _results_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("results", PROJECT_ROOT / "docs" / "results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_results_page_has_a_block_for_every_table_and_update_fills_only_those():
+    results = _results_module()
+    page = (PROJECT_ROOT / "docs" / "results.md").read_text()
+    names = [*results.PRESETS, "environment"]
+    assert set(results.PRESETS) == set(SEED_PRESETS)  # every seed preset has its table
+    filled = results.update_page(page, {name: f"| table {name} |" for name in names})
+    for name in names:
+        assert f"<!-- results:{name} -->\n| table {name} |\n<!-- /results:{name} -->" in filled
+        assert f"python -m trainer -m experiment={name}" in page or name == "environment"  # the command is on the page
+    outside = lambda text: re.sub(r"<!-- results:(\w+) -->.*?<!-- /results:\1 -->", "", text, flags=re.S)  # noqa: E731
+    assert outside(filled) == outside(page)  # the prose is left alone
+    assert results.update_page(filled, {"limits": "| again |"}).count("| again |") == 1
+    with pytest.raises(ConfigError, match=r"no '<!-- results:seed009 -->'"):
+        results.update_page(page, {"seed009": "| x |"})

@@ -1,0 +1,275 @@
+"""Sweeps: one MLflow parent run per multirun, nested child runs, the comparison and the report."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from trainer import report, sweep
+from trainer.errors import ConfigError
+from trainer.run import run
+
+PLUGINS = Path(__file__).parent / "plugins"  # a launcher that runs every job in its own process
+SMALL = ["engine.max_steps=8", "dataset.num_samples=128", "dataset.shape=[8,8]", "engine.progress=false",
+         "engine.warmup_steps=2"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def multirun(tmp_path: Path, uri: str, *overrides: str, env=None) -> subprocess.CompletedProcess:
+    """`python -m trainer -m ...` from a scratch directory, tracked in `uri`."""
+    cmd = [sys.executable, "-m", "trainer", "-m", *overrides, *SMALL, f"tracking.uri={uri}",
+           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, **(env or {})))
+
+
+def parent_and_children(uri: str):
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("feedbench")
+    found = client.search_runs([exp.experiment_id])
+    parents = [r for r in found if r.data.tags.get("sweep") == "true"]
+    assert len(parents) == 1, [r.info.run_name for r in found]
+    parent = parents[0]
+    children = [r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert len(children) == len(found) - 1  # every other run is nested under the parent
+    return client, parent, children
+
+
+def read_artifact(client: MlflowClient, run_id: str, path: str) -> bytes:
+    return Path(client.download_artifacts(run_id, path)).read_bytes()
+
+
+def csv_rows(text: str):
+    return list(csv.DictReader(io.StringIO(text)))
+
+
+def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tracking_uri):
+    proc = multirun(tmp_path, tracking_uri, "loader=baseline,pinned", "model=mlp,autoencoder", "engine.device=cpu")
+    assert proc.returncode == 0, proc.stderr
+    client, parent, children = parent_and_children(tracking_uri)
+
+    assert parent.info.status == "FINISHED"
+    assert parent.info.run_name == "sweep loader=baseline,pinned model=mlp,autoencoder"
+    assert parent.data.tags["sweep.keys"] == "loader,model"
+    assert (parent.data.tags["jobs"], parent.data.tags["failed_jobs"]) == ("4", "0")
+    assert sorted(r.data.tags["sweep.job"] for r in children) == ["0", "1", "2", "3"]
+    assert sorted(r.info.run_name for r in children) == [
+        "loader=baseline model=autoencoder", "loader=baseline model=mlp",
+        "loader=pinned model=autoencoder", "loader=pinned model=mlp"]
+    assert all(r.info.status == "FINISHED" for r in children)
+    for r in children:
+        assert read_artifact(client, r.info.run_id, "timeline.png").startswith(PNG)
+    assert read_artifact(client, parent.info.run_id, "comparison.png").startswith(PNG)
+
+    # comparison.csv holds each child's own logged metrics, and speedups against the
+    # baseline job with the same model.
+    stored = read_artifact(client, parent.info.run_id, "comparison.csv").decode()
+    rows = {row["run_id"]: row for row in csv_rows(stored)}
+    assert set(rows) == {r.info.run_id for r in children}
+    by_setting = {(r.data.tags["strategy"], r.data.tags["model"]): r for r in children}
+    for r in children:
+        row = rows[r.info.run_id]
+        assert (row["loader"], row["model"], row["status"]) == (r.data.tags["strategy"], r.data.tags["model"], "FINISHED")
+        for m in ("throughput_samples_per_s", "gpu_busy_fraction", "data_wait_fraction", "h2d_GBps"):
+            assert float(row[m]) == r.data.metrics[m], m
+        base = by_setting[("baseline", r.data.tags["model"])].data.metrics["throughput_samples_per_s"]
+        assert float(row["speedup_vs_baseline"]) == r.data.metrics["throughput_samples_per_s"] / base
+    assert {float(rows[by_setting[("baseline", m)].info.run_id]["speedup_vs_baseline"]) for m in ("mlp", "autoencoder")} == {1.0}
+    assert "speedup_vs_baseline" in proc.stdout  # the table is printed at the end of the sweep
+
+    # The report command reads the same table back (latest sweep by default, no server).
+    out_csv, out_md = tmp_path / "report.csv", tmp_path / "report.md"
+    rep = subprocess.run([sys.executable, "-m", "trainer.report", "--uri", tracking_uri, "--csv", str(out_csv),
+                          "--markdown", str(out_md)], capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stderr
+    assert out_csv.read_text() == stored
+    lines = rep.stdout.splitlines()
+    assert parent.info.run_id in lines[0]
+    head = lines[1].split()
+    assert head[:4] == ["job", "loader", "model", "status"] and "speedup_vs_baseline" in head
+    assert len(lines) == 2 + 1 + 4  # title, header, rule, one line per job
+    assert len({len(line) for line in lines[1:]}) <= 2  # aligned: the rule and the rows as wide as the header
+    for r in children:
+        line = next(x for x in lines[3:] if x.split()[0] == r.data.tags["sweep.job"])
+        assert line.split()[1:3] == [r.data.tags["strategy"], r.data.tags["model"]]
+        assert f"{r.data.metrics['throughput_samples_per_s']:.1f}" in line.split()
+    md = out_md.read_text().splitlines()
+    assert md[0].startswith("| job | loader | model | status |") and len(md) == 2 + 4
+
+
+def test_failed_jobs_are_listed_as_failed_and_the_rest_still_compared(tmp_path, tracking_uri):
+    # engine.device=nope fails before the job's run is opened; a batch larger than the dataset
+    # (128 samples) fails inside the open run.
+    proc = multirun(tmp_path, tracking_uri, "loader=baseline,pinned", "engine.device=cpu,nope",
+                    "loader.batch_size=16,1000")
+    assert proc.returncode != 0  # Hydra's sweeper reports the failure
+    client, parent, children = parent_and_children(tracking_uri)
+    assert sorted(int(r.data.tags["sweep.job"]) for r in children) == list(range(8))  # one run per job
+    assert parent.info.status == "FAILED" and parent.data.tags["failed_jobs"] == "6"
+
+    status = {(r.data.tags["strategy"], r.data.params["engine.device"], r.data.params["loader.batch_size"]): r
+              for r in children}
+    assert len(status) == 8
+    for (strategy, device, batch), r in status.items():
+        assert r.info.status == ("FINISHED" if (device, batch) == ("cpu", "16") else "FAILED")
+        if device == "nope":
+            assert "engine.device" in r.data.tags["error"]
+        elif batch == "1000":
+            assert "loader.batch_size" in r.data.tags["error"]
+
+    rows = {row["run_id"]: row for row in csv_rows(read_artifact(client, parent.info.run_id, "comparison.csv").decode())}
+    assert len(rows) == 8
+    base = status[("baseline", "cpu", "16")].data.metrics["throughput_samples_per_s"]
+    pinned = status[("pinned", "cpu", "16")]
+    assert float(rows[pinned.info.run_id]["speedup_vs_baseline"]) == pinned.data.metrics["throughput_samples_per_s"] / base
+    for r in children:
+        if r.info.status == "FAILED":
+            row = rows[r.info.run_id]
+            assert row["status"] == "FAILED" and row["throughput_samples_per_s"] == row["speedup_vs_baseline"] == ""
+    assert read_artifact(client, parent.info.run_id, "comparison.png").startswith(PNG)
+
+
+def test_parent_id_reaches_jobs_run_in_other_processes(tmp_path, tracking_uri):
+    """A launcher that starts every job as its own process: the id travels in the overrides."""
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
+    proc = multirun(tmp_path, tracking_uri, "hydra/launcher=subprocess", "loader=baseline,pinned", "engine.device=cpu",
+                    env=env)
+    assert proc.returncode == 0, proc.stderr
+    client, parent, children = parent_and_children(tracking_uri)
+    assert parent.info.status == "FINISHED"
+    assert sorted(r.info.run_name for r in children) == ["loader=baseline", "loader=pinned"]
+    keys, rows = report.compare(client, parent)
+    assert keys == ["loader"] and [r["status"] for r in rows] == ["FINISHED", "FINISHED"]
+    speedup = {r["loader"]: r["speedup_vs_baseline"] for r in rows}
+    thr = {r.data.tags["strategy"]: r.data.metrics["throughput_samples_per_s"] for r in children}
+    assert speedup == {"baseline": 1.0, "pinned": thr["pinned"] / thr["baseline"]}
+
+
+def test_speedup_pairs_jobs_with_the_same_other_settings(tiny_cfg, tracking_uri):
+    """In-process: children attached by `tracking.parent_run_id`; `loader.depth` (prefetch only)
+    does not split prefetch from its baseline, `loader.batch_size` does."""
+    cfg = tiny_cfg()
+    parent_id = sweep.start_parent(cfg.tracking, "sweep by hand", ["loader", "loader.batch_size"], {})
+    for strategy in ("baseline", "prefetch"):
+        for bs in (16, 32):
+            summary = run(tiny_cfg(f"loader={strategy}", f"loader.batch_size={bs}", f"tracking.parent_run_id={parent_id}"))
+            assert summary["total_samples"] == 96
+    keys, rows = sweep.finish_parent(tracking_uri, parent_id)
+    assert keys == ["loader", "loader.batch_size"]
+    assert [(r["loader"], r["loader.batch_size"]) for r in rows] == [
+        ("baseline", "16"), ("baseline", "32"), ("prefetch", "16"), ("prefetch", "32")]
+    thr = {(r["loader"], r["loader.batch_size"]): r["throughput_samples_per_s"] for r in rows}
+    for r in rows:
+        assert r["speedup_vs_baseline"] == thr[(r["loader"], r["loader.batch_size"])] / thr[("baseline", r["loader.batch_size"])]
+    client = MlflowClient(tracking_uri)
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    names = {client.get_run(r["run_id"]).info.run_name for r in rows}
+    assert names == {f"loader={s} loader.batch_size={b}" for s in ("baseline", "prefetch") for b in (16, 32)}
+
+
+def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, tracking_uri, capsys):
+    cfg = tiny_cfg()
+    parent_id = sweep.start_parent(cfg.tracking, "small", ["loader"], {})
+    for strategy in ("baseline", "pinned"):
+        run(tiny_cfg(f"loader={strategy}", f"tracking.parent_run_id={parent_id}"))
+    sweep.finish_parent(tracking_uri, parent_id)
+    client = MlflowClient(tracking_uri)
+    child = client.search_runs([client.get_run(parent_id).info.experiment_id],
+                               filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}'")[0]
+    assert report.main(["--uri", tracking_uri, "--sweep", child.info.run_id]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert parent_id in out[0] and out[1].split()[:3] == ["job", "loader", "status"]
+    assert sorted(line.split()[1] for line in out[3:]) == ["baseline", "pinned"]
+
+
+def test_report_errors_name_the_fix_and_create_nothing(tmp_path, tracking_uri, capsys):
+    missing = tmp_path / "none.db"
+    assert report.main(["--uri", f"sqlite:///{missing}"]) == 2
+    assert "run a sweep first" in capsys.readouterr().err and not missing.exists()
+    MlflowClient(tracking_uri).create_experiment("feedbench")  # a store without a sweep
+    assert report.main(["--uri", tracking_uri]) == 2
+    assert "no sweep" in capsys.readouterr().err
+    assert report.main(["--uri", tracking_uri, "--sweep", "0123abcd"]) == 2
+    assert "--sweep 0123abcd" in capsys.readouterr().err
+
+
+def test_unknown_parent_run_id_is_a_config_error(tiny_cfg):
+    with pytest.raises(ConfigError, match="tracking.parent_run_id=0123abcd"):
+        run(tiny_cfg("tracking.parent_run_id=0123abcd"))
+
+
+def test_system_metrics_are_sampled_at_the_configured_interval(tiny_cfg, tracking_uri, runs):
+    with pytest.raises(ConfigError, match="tracking.system_metrics_interval_s"):
+        run(tiny_cfg("tracking.system_metrics=true", "tracking.system_metrics_interval_s=0"))
+    cfg = tiny_cfg("tracking.system_metrics=true", "tracking.system_metrics_interval_s=0.2", "engine.epochs=10")
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="needs psutil"):
+            run(cfg)
+        return
+    run(cfg)
+    (r,) = runs()
+    assert "system/cpu_utilization_percentage" in r.data.metrics
+    assert "system/system_memory_usage_megabytes" in r.data.metrics
+
+
+def test_interrupted_sweep_closes_its_parent_as_killed_with_the_comparison(tmp_path, tracking_uri):
+    # The first job would train for hours (5 ms a step); it is interrupted as soon as it trains.
+    cmd = [sys.executable, "-m", "trainer", "-m", "loader=baseline,pinned", "engine.device=cpu", "engine.epochs=100000",
+           "model.busy_ms=5", "dataset.num_samples=128", "dataset.shape=[8,8]", "engine.progress=false",
+           f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _training_child(tracking_uri):
+            assert proc.poll() is None and time.monotonic() < deadline, "the first job never started"
+            time.sleep(0.5)
+        time.sleep(1.0)  # past building the dataset and loader: in the loop
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    client, parent, children = parent_and_children(tracking_uri)
+    assert parent.info.status == "KILLED"
+    assert [r.info.status for r in children] == ["KILLED"]  # the second job never started
+    rows = csv_rows(read_artifact(client, parent.info.run_id, "comparison.csv").decode())
+    assert [(row["loader"], row["status"]) for row in rows] == [("baseline", "KILLED")]
+
+
+def _training_child(uri: str) -> bool:
+    """A child run is open and has logged `environment.json` (what comes before the loop)."""
+    if not Path(uri[len("sqlite:///"):]).exists():
+        return False
+    try:
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name("feedbench")
+        found = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'RUNNING'") if exp else []
+        return any("mlflow.parentRunId" in r.data.tags and
+                   "environment.json" in {a.path for a in client.list_artifacts(r.info.run_id)} for r in found)
+    except Exception:  # the sweep is still creating the database's tables
+        return False
+
+
+def test_timeline_draws_a_long_run_as_means_over_runs_of_steps(tmp_path):
+    from trainer import plots
+    rows = [{"step": i, "samples": 64, "data_wait_ms": float(i % 2), "h2d_ms": 0.5, "compute_ms": 2.0,
+             "step_ms": 4.0 + i % 2} for i in range(1, 2501)]
+    edges, bars, size = plots._binned(rows)
+    assert size == 3 and len(bars) == 834 and (edges[0], edges[-1]) == (0.5, 2500.5)
+    assert bars[0]["data_wait_ms"] == (1 + 0 + 1) / 3 and bars[-1]["step_ms"] == 4.0  # the last bin: step 2500 alone
+    assert plots.timeline(rows, tmp_path / "t.png", warmup_steps=5).read_bytes().startswith(PNG)
+    edges, bars, size = plots._binned(rows[:6])
+    assert size == 1 and edges == [0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5]

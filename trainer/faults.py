@@ -1,0 +1,173 @@
+"""What stops a run part-way, turned into the exceptions of `trainer.errors`:
+
+- `StopSignals`: SIGINT and SIGTERM raise `Interrupted` while the run builds and trains, and wait
+  while it is opened and saved, so an interrupted run is always closed as KILLED with its steps;
+- `LossWatch`: a NaN/inf loss stops the run (`RunFailed` naming the step) without a per-step sync;
+- `explain_faults`: GPU out-of-memory and DataLoader worker failures become one-line `RunFailed`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import Iterator, Optional
+
+import torch
+
+from trainer.errors import Interrupted, RunFailed
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+stopped_by: Optional[int] = None  # the signal that stopped this process, for exit hooks (a sweep's parent run)
+
+
+class StopSignals:
+    """While open (a context manager), SIGINT and SIGTERM are handled in two modes:
+
+    - armed (`arm()`: building the parts and training): the signal raises `Interrupted` at once,
+      so the `finally` blocks save what was measured and the Tracker marks the run KILLED.
+      Without this, SIGTERM would end the process on the spot and save nothing;
+    - held (the default, and `hold()`: opening the run, saving it): the signal is noted and
+      raised when the run is closed, so bookkeeping is never cut in half; a second signal
+      stops at once.
+
+    Signal handlers can only be set from the main thread; elsewhere this does nothing.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict = {}
+        self._armed = False
+        self._pending: Optional[int] = None
+        self._owner = os.getpid()
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+        if self._pending is not None and exc_type is None:
+            raise Interrupted(self._pending)  # the run is saved and closed; now stop
+        return False
+
+    def arm(self) -> None:
+        """From here on a signal raises `Interrupted` (one noted while held is raised now)."""
+        if self._pending is not None:
+            signum, self._pending = self._pending, None
+            raise Interrupted(signum)
+        self._armed = True
+
+    def hold(self) -> None:
+        """From here on a signal waits until the run is closed."""
+        self._armed = False
+
+    def _handle(self, signum: int, frame) -> None:
+        if os.getpid() != self._owner:  # a forked DataLoader worker: behave as by default
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt  # torch's worker loop exits quietly on it
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._armed:
+            self._armed = False  # what runs next is saving: hold any further signal
+            raise Interrupted(signum)
+        if self._pending is None:
+            self._pending = signum
+            # os.write, not print: a handler may run in the middle of another write to stderr.
+            os.write(2, b"feedbench: stopping once the run's records are written (signal again to stop at once)\n")
+            return
+        raise Interrupted(signum)
+
+
+class LossWatch:
+    """Stops a run whose loss became NaN or inf, without syncing the device in the loop.
+
+    Every `every` steps the losses the meter kept since the last check are reduced on the device
+    to one number (the offset of the first non-finite loss, or -1), copied to page-locked host
+    memory without blocking, and an event is recorded. That verdict is read at a later check,
+    once its event has completed (`Event.query()` never blocks), so a bad loss stops the run
+    within about 2 x `every` steps. `final()` checks the rest after the loop.
+    """
+
+    def __init__(self, meter, lr: float, every: int = 20):
+        self.meter, self.lr, self.every = meter, lr, every
+        self.cuda = meter.device.type == "cuda"
+        self.checked = 0  # steps covered by verdicts already issued
+        self.pending = None  # (first step covered, verdict on the host, its event)
+        self._host = torch.empty((), dtype=torch.int64, pin_memory=self.cuda)
+
+    def after_step(self, step: int) -> None:
+        """Called after every step: cheap unless `step` is a multiple of `every`."""
+        if step % self.every:
+            return
+        if self.pending is not None:
+            if self.pending[2] is not None and not self.pending[2].query():
+                return  # the device has not got there yet: look again at the next check
+            self._read()
+        self._issue(step)
+        if not self.cuda:  # on the CPU the verdict is already there
+            self._read()
+
+    def final(self) -> None:
+        """After the loop (the meter syncs there anyway): check every loss not checked yet."""
+        if self.pending is not None:
+            self._wait_and_read()
+        self._issue(len(self.meter.steps))
+        if self.pending is not None:
+            self._wait_and_read()
+
+    def _issue(self, upto: int) -> None:
+        losses = self.meter.losses(self.checked, upto)
+        if not losses:
+            return
+        bad = ~torch.isfinite(torch.stack(losses))
+        first = torch.where(bad.any(), bad.int().argmax(), -1)
+        self._host.copy_(first, non_blocking=self.cuda)
+        event = None
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record()
+        self.pending, self.checked = (self.checked, self._host, event), upto
+
+    def _wait_and_read(self) -> None:
+        if self.pending[2] is not None:
+            self.pending[2].synchronize()
+        self._read()
+
+    def _read(self) -> None:
+        start, host, _ = self.pending
+        self.pending = None
+        offset = int(host)
+        if offset < 0:
+            return
+        step = start + offset + 1  # steps are numbered from 1, as in steps.csv
+        value = float(self.meter.losses(step - 1, step)[0])  # the run stops here: a sync is fine
+        raise RunFailed(f"loss became {value} at step {step} (engine.optimizer.lr={self.lr}): lower "
+                        f"engine.optimizer.lr or check the input data", step=step)
+
+
+@contextlib.contextmanager
+def explain_faults(cfg) -> Iterator[None]:
+    """Turn faults the user can act on into one-line `RunFailed`s: GPU out of memory (naming the
+    strategy and loader.batch_size) and a DataLoader worker that died or raised."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        b, strategy = cfg.loader.batch_size, cfg.loader.name
+        resident = ", or a smaller dataset.num_samples (gpu_resident keeps all of it in GPU memory)"
+        raise RunFailed(f"out of GPU memory with loader={strategy} loader.batch_size={b} model={cfg.model.name}: "
+                        f"set loader.batch_size={max(1, b // 2)} or smaller{resident * (strategy == 'gpu_resident')}") from e
+    except Exception as e:
+        text = str(e)
+        if "DataLoader worker" not in text:
+            raise
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        # A worker's own exception arrives as "Caught X in DataLoader worker process N.\nOriginal
+        # Traceback ...\nX: message": keep the first and the last line.
+        what = lines[0].rstrip(".") + (f" ({lines[-1]})" if len(lines) > 1 else "")
+        raise RunFailed(f"a DataLoader worker failed with loader.num_workers={cfg.loader.num_workers}: {what}: "
+                        f"rerun with loader.num_workers=0 to see the error in the main process") from e

@@ -1,0 +1,99 @@
+"""`seed_iterable`: seed 000's own DataLoader, to reproduce the four variants it timed.
+
+A DataLoader (`batch_size=None`) over the seed's IterableDataset (`SyntheticDataset.iterable`):
+every pass loads each chunk again – the seed's 'disk read', here generating it (plus
+`dataset.load_ms`) – and draws `dataset.batches_per_chunk` batches of random rows from it
+(`rng.choice`, with replacement). `loader.variant` is what the seed compared:
+
+- `no_pinning`: pageable batches, blocking `.to(device)` after the DataLoader;
+- `copy_in_loader`: the DataLoader's collate_fn copies each batch to the device (the seed's
+  `torch.tensor(x, device='cuda')`): the same blocking pageable copy, made inside the loader;
+- `pin_batches`: `DataLoader(pin_memory=True)` pins each batch, then `.to(device, non_blocking=True)`;
+- `pin_chunk`: each loaded chunk is pinned with `.pin_memory()` and the batches are its first
+  contiguous slices (a slice of pinned memory is pinned, a random gather is not), copied with
+  `non_blocking=True`.
+
+The rows are the seed's random draws, so unlike every other strategy this one does not deliver
+the same samples as `baseline` (and `loader.shuffle`/`drop_last` do not apply): it reproduces
+seed 000, it is not a strategy to compare on equal data.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from trainer.errors import ConfigError
+from trainer.loaders.base import DeviceLoader
+
+VARIANTS = ("no_pinning", "copy_in_loader", "pin_batches", "pin_chunk")
+IN_PROCESS = ("copy_in_loader", "pin_chunk")  # touch CUDA while loading: DataLoader workers cannot
+
+
+class SeedIterableLoader(DeviceLoader):
+    def __init__(self, cfg, dataset, device, seed=0):
+        super().__init__(cfg, dataset, device, seed)
+        variant = cfg.variant
+        if variant not in VARIANTS:
+            raise ConfigError(f"loader.variant must be one of {', '.join(VARIANTS)} (got {variant!r}): set loader.variant=pin_batches")
+        if not hasattr(dataset, "iterable"):
+            raise ConfigError(f"loader=seed_iterable draws from seed 000's synthetic chunks (got dataset={dataset.cfg.name}): "
+                              "set dataset=synthetic")
+        if variant in IN_PROCESS and cfg.num_workers > 0:
+            raise ConfigError(f"loader.variant={variant} touches CUDA while loading, which loader worker processes cannot "
+                              f"do (got loader.num_workers={cfg.num_workers}): set loader.num_workers=0")
+        self.needs_cuda = variant != "no_pinning"
+        self.iterable = dataset.iterable(cfg.batch_size)
+        self.epoch = 0
+        if variant == "pin_chunk":
+            per_chunk = dataset.cfg.batches_per_chunk * cfg.batch_size
+            smallest = min(hi - lo for lo, hi in map(dataset.chunk_range, range(dataset.num_chunks)))
+            if per_chunk > smallest:
+                raise ConfigError(f"loader.variant=pin_chunk slices dataset.batches_per_chunk={dataset.cfg.batches_per_chunk} "
+                                  f"batches of {cfg.batch_size} rows off each chunk, but a chunk has {smallest}: "
+                                  "set dataset.batches_per_chunk=0 (one pass) or a smaller loader.batch_size")
+            self.pinned_bytes = dataset.chunk_samples * (dataset.sample_bytes + 8) if self.on_cuda else 0
+            self.dataloader = None
+            return
+        workers = cfg.num_workers
+        self.dataloader = torch.utils.data.DataLoader(
+            self.iterable,
+            batch_size=None,  # the iterable yields whole batches
+            num_workers=workers,
+            pin_memory=variant == "pin_batches" and self.on_cuda,
+            collate_fn=self._to_device if variant == "copy_in_loader" else None,
+            prefetch_factor=cfg.prefetch_factor if workers > 0 else None,
+            persistent_workers=cfg.persistent_workers and workers > 0,
+        )
+
+    def __len__(self) -> int:
+        return len(self.iterable)
+
+    def _to_device(self, batch):
+        return self._copy(batch, non_blocking=False)
+
+    def _pinned_slices(self):
+        ds, b = self.dataset, self.cfg.batch_size
+        for c in range(ds.num_chunks):
+            x, y = ds.load_chunk(c)
+            if self.on_cuda:  # the seed's `torch.tensor(data).pin_memory()`: a page-locked copy per load
+                x, y = x.pin_memory(), y.pin_memory()
+            for j in range(ds.cfg.batches_per_chunk or math.ceil(len(x) / b)):
+                yield x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]
+
+    def __iter__(self):
+        # Non-persistent DataLoader workers start each pass from a copy of the iterable: tell it the epoch.
+        self.iterable.epoch, self.epoch = self.epoch, self.epoch + 1
+        variant = self.cfg.variant
+        if variant == "pin_chunk":
+            for batch in self._pinned_slices():
+                yield self._copy(batch, non_blocking=True)
+        elif variant == "copy_in_loader":
+            yield from self.dataloader  # collate_fn has copied them
+        else:
+            for batch in self.dataloader:
+                yield self._copy(batch, non_blocking=variant == "pin_batches")
+
+    def close(self):
+        self.dataloader = None

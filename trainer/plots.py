@@ -1,0 +1,110 @@
+"""Pictures of a run (`timeline.png`) and of a sweep (`comparison.png`), drawn after the fact.
+
+Matplotlib's object API with the Agg canvas: no pyplot state, no display needed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import List, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+# One colour per part of a step, the same in every picture.
+COLOURS = {"data_wait_ms": "#d62728", "h2d_ms": "#ff7f0e", "compute_ms": "#1f77b4", "throughput": "#2ca02c"}
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+MAX_BARS = 1000  # more steps than this are drawn as means over equal runs of steps
+
+
+def _binned(rows: Sequence[dict]) -> tuple:
+    """(edges, rows): one bar per step, or per run of `ceil(n / MAX_BARS)` steps (their means)."""
+    size = math.ceil(len(rows) / MAX_BARS)
+    groups = [rows[i:i + size] for i in range(0, len(rows), size)]
+    edges = [int(g[0]["step"]) - 0.5 for g in groups] + [int(groups[-1][-1]["step"]) + 0.5]
+    keys = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "samples")
+    return edges, [{k: sum(float(r[k]) for r in g) / len(g) for k in keys} for g in groups], size
+
+
+def timeline(rows: Sequence[dict], path: Path, warmup_steps: int = 0, title: str = "") -> Path:
+    """Per-step stacked data wait / copy / compute (ms), the step's wall time and the throughput.
+
+    Each part is one `stairs` polygon rather than one bar per step, and a long run is drawn as
+    means over runs of steps: a picture of 100k steps stays cheap to draw.
+    """
+    edges, bars, size = _binned(rows)
+    mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    fig = Figure(figsize=(10, 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    if warmup_steps > 0:
+        ax.axvspan(0.5, min(warmup_steps, len(rows)) + 0.5, color="grey", alpha=0.15, label="warm-up (not in summaries)")
+    base = [0.0] * len(bars)
+    for key, label in (("data_wait_ms", "data wait"), ("h2d_ms", "host→device copy"), ("compute_ms", "compute")):
+        top = [b + r[key] for b, r in zip(base, bars)]
+        ax.stairs(top, edges, baseline=base, fill=True, color=COLOURS[key], alpha=0.85, label=label)
+        base = top
+    ax.stairs([r["step_ms"] for r in bars], edges, color="black", linewidth=0.6, label="step wall")
+    ax.set_xlabel("step" if size == 1 else f"step (mean of every {size} steps)")
+    ax.set_ylabel("ms per step")
+    ax.set_xlim(edges[0], edges[-1])
+    ax.set_ylim(bottom=0)
+
+    rate = ax.twinx()
+    throughput = [r["samples"] / (r["step_ms"] / 1e3) if r["step_ms"] > 0 else math.nan for r in bars]
+    rate.plot(mids, throughput, color=COLOURS["throughput"], linewidth=1.0, label="throughput")
+    rate.set_ylabel("samples/s", color=COLOURS["throughput"])
+    rate.set_ylim(bottom=0)
+
+    handles = ax.get_legend_handles_labels()
+    more = rate.get_legend_handles_labels()
+    fig.legend(handles[0] + more[0], handles[1] + more[1], loc="outside lower center", fontsize="small", ncols=6)
+    ax.set_title(title or "per-step time and throughput")
+    return _save(fig, path)
+
+
+def comparison(rows: List[dict], label_keys: Sequence[str], path: Path, title: str = "") -> Path:
+    """Throughput per job (speedup vs its baseline written beside it) and where the wall time went."""
+    labels = [" ".join(str(r.get(k, "")) for k in label_keys) or r["run_name"] for r in rows]
+    ypos = list(range(len(rows)))[::-1]  # first job on top
+    fig = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 2)), layout="constrained")
+    left, right = fig.subplots(1, 2, sharey=True, width_ratios=[3, 2])
+
+    def value(r, key):
+        v = r.get(key)
+        return float(v) if isinstance(v, (int, float)) and not math.isnan(v) else 0.0
+
+    throughput = [value(r, "throughput_samples_per_s") for r in rows]
+    left.barh(ypos, throughput, color=COLOURS["throughput"])
+    span = max(throughput, default=0.0) or 1.0
+    for y, r, t in zip(ypos, rows, throughput):
+        if r["status"] != "FINISHED":
+            note = r["status"]
+        else:
+            speedup = r.get("speedup_vs_baseline")
+            note = f"×{speedup:.2f}" if isinstance(speedup, float) else ""
+            if value(r, "h2d_GBps") > 0:
+                note += f"  {value(r, 'h2d_GBps'):.1f} GB/s"
+        left.text(t + 0.01 * span, y, note, va="center", fontsize="small",
+                  color="black" if r["status"] == "FINISHED" else "#d62728")
+    left.set_yticks(ypos, labels)
+    left.set_xlim(0, span * 1.3)
+    left.set_xlabel("throughput (samples/s); ×speedup vs baseline")
+
+    height = 0.38
+    right.barh([y + height / 2 for y in ypos], [value(r, "data_wait_fraction") for r in rows], height,
+               color=COLOURS["data_wait_ms"], label="data_wait_fraction")
+    right.barh([y - height / 2 for y in ypos], [value(r, "gpu_busy_fraction") for r in rows], height,
+               color=COLOURS["compute_ms"], label="gpu_busy_fraction")
+    right.set_xlim(0, 1.05)
+    right.set_xlabel("fraction of timed wall time")
+    fig.legend(*right.get_legend_handles_labels(), loc="outside lower right", fontsize="small", ncols=2)
+    fig.suptitle(title or "sweep comparison")
+    return _save(fig, path)

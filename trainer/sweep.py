@@ -1,0 +1,192 @@
+"""A Hydra multirun as one MLflow parent run with one nested child run per job.
+
+`SweepCallback` (registered under `hydra.callbacks` in conf/config.yaml) creates the parent run
+before the first job and hands its id to every job as the override
+`tracking.parent_run_id='<id>'`. The id travels with each job's overrides, so it reaches the job
+whichever launcher runs it (in this process, a worker pool or a cluster). After the last job the
+parent gets `comparison.csv` and `comparison.png` (trainer.report builds the table) and is closed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from mlflow.entities import Param, RunStatus
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+from omegaconf import DictConfig, OmegaConf, read_write
+
+from trainer import faults, plots, report
+from trainer.errors import ConfigError
+from trainer.tracking import check_tracking_uri, default_uri, experiment_id, flatten
+
+PARENT_KEY = "tracking.parent_run_id"
+
+
+def sweep_overrides(config: DictConfig) -> List[str]:
+    """The multirun's overrides that sweep (`loader=baseline,pinned`), command line and
+    `hydra.sweeper.params` alike."""
+    lines = [str(o) for o in config.hydra.overrides.task]
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    lines += [f"{k}={v}" for k, v in params.items()]
+    parsed = OverridesParser.create().parse_overrides(lines)
+    return [o.input_line for o in parsed if o.is_sweep_override() and not o.is_hydra_override()]
+
+
+def swept_keys(overrides: Sequence[str]) -> List[str]:
+    return [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))]
+
+
+def _value(cfg: DictConfig, key: str) -> str:
+    """A key's value in a job's config; a config group reads as its chosen option's name."""
+    node = OmegaConf.select(cfg, key, default=None)
+    if isinstance(node, DictConfig):
+        return str(node.get("name", "?"))
+    return str(node)
+
+
+def _job_num() -> Optional[int]:
+    """Hydra's job number when this process runs a multirun job, else None."""
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
+
+
+def child_identity(client: MlflowClient, cfg: DictConfig) -> Tuple[Optional[str], Dict[str, str]]:
+    """Run name and tags that nest a job's run under `tracking.parent_run_id` (none if unset).
+
+    The name is the job's value of each swept key (`loader=pinned model=mlp`), keys read from
+    the parent run's `sweep.keys` tag.
+    """
+    parent_id = cfg.tracking.parent_run_id
+    if not parent_id:
+        return None, {}
+    try:
+        parent = client.get_run(parent_id)
+    except MlflowException:
+        raise ConfigError(f"tracking.parent_run_id={parent_id} is not a run in {client.tracking_uri}: "
+                          "drop the key to record a run of its own") from None
+    keys = [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k]
+    name = " ".join(f"{k}={_value(cfg, k)}" for k in keys) or None
+    tags = {"mlflow.parentRunId": parent_id}
+    num = _job_num()
+    if num is not None:
+        tags["sweep.job"] = str(num)
+    return name, tags
+
+
+def start_parent(tracking: DictConfig, name: str, keys: Sequence[str], tags: Dict[str, str]) -> str:
+    """Create the sweep's parent run (status RUNNING) and return its id."""
+    check_tracking_uri(tracking.uri)
+    uri = tracking.uri or default_uri()
+    client = MlflowClient(uri)
+    exp_id = experiment_id(client, tracking.experiment, uri)
+    run = client.create_run(exp_id, run_name=name[:250],
+                            tags={"sweep": "true", "sweep.keys": ",".join(keys), **tags})
+    return run.info.run_id
+
+
+def finish_parent(uri: str, parent_id: str, stopped: Optional[str] = None) -> Tuple[List[str], List[dict]]:
+    """Attach `comparison.csv`/`comparison.png` to the parent and close it: FINISHED when every
+    job finished, FAILED when one did not, or `stopped` (FAILED, KILLED) when the sweep ended
+    before its last job. Returns the table."""
+    client = MlflowClient(uri)
+    parent = client.get_run(parent_id)
+    keys, rows = report.compare(client, parent)
+    with tempfile.TemporaryDirectory() as tmp:
+        csv_path = Path(tmp) / "comparison.csv"
+        csv_path.write_text(report.to_csv(keys, rows))
+        client.log_artifact(parent_id, str(csv_path))
+        if rows:
+            png = plots.comparison(rows, keys, Path(tmp) / "comparison.png", title=parent.info.run_name)
+            client.log_artifact(parent_id, str(png))
+    failed = sum(r["status"] != "FINISHED" for r in rows)
+    client.set_tag(parent_id, "jobs", str(len(rows)))
+    client.set_tag(parent_id, "failed_jobs", str(failed))
+    status = stopped or RunStatus.to_string(RunStatus.FAILED if failed else RunStatus.FINISHED)
+    client.set_terminated(parent_id, status)
+    return keys, rows
+
+
+def record_failed_job(config: DictConfig, error: BaseException) -> None:
+    """A job that failed before its run was opened still shows up, as a FAILED child run."""
+    task_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+    uri = task_cfg.tracking.uri or default_uri()
+    client = MlflowClient(uri)
+    parent_id, num = task_cfg.tracking.parent_run_id, str(config.hydra.job.num)
+    exp_id = client.get_run(parent_id).info.experiment_id
+    found = client.search_runs([exp_id], filter_string=f"tags.`mlflow.parentRunId` = '{parent_id}' "
+                                                       f"and tags.`sweep.job` = '{num}'")
+    if found:  # the run was opened and already marked FAILED
+        return
+    name, tags = child_identity(client, task_cfg)
+    cause = error.__cause__ or error  # the entry point may wrap the error for Hydra's one-line report
+    tags.update({"sweep.job": num, "error": f"{type(cause).__name__}: {cause}"[:5000],
+                 "strategy": _value(task_cfg, "loader"), "model": _value(task_cfg, "model"),
+                 "dataset": _value(task_cfg, "dataset")})
+    run = client.create_run(exp_id, run_name=name, tags=tags)
+    params = [Param(k, v) for k, v in flatten(task_cfg).items()]
+    for i in range(0, len(params), 100):  # log_batch takes at most 100 params
+        client.log_batch(run.info.run_id, params=params[i:i + 100])
+    client.set_terminated(run.info.run_id, RunStatus.to_string(RunStatus.FAILED))
+
+
+class SweepCallback(Callback):
+    """Hydra callback: parent run at multirun start, comparison and status at multirun end."""
+
+    def __init__(self) -> None:
+        self.parent_id: Optional[str] = None
+        self.uri: Optional[str] = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        overrides = sweep_overrides(config)
+        keys = swept_keys(overrides)
+        name = config.tracking.sweep_name or ("sweep " + " ".join(overrides) if overrides else "sweep")
+        fixed = [str(o) for o in config.hydra.overrides.task if str(o) not in overrides]
+        self.uri = config.tracking.uri or default_uri()
+        self.parent_id = start_parent(config.tracking, name, keys,
+                                      {"sweep.overrides": " ".join(fixed)[:5000],
+                                       "sweep.dir": str(config.hydra.sweep.dir)})
+        # The sweeper reads the task overrides after this hook: every job is composed with this one.
+        with read_write(config.hydra.overrides):
+            config.hydra.overrides.task.append(f"{PARENT_KEY}='{self.parent_id}'")
+        # A failing job makes Hydra's default sweeper raise before on_multirun_end; the parent
+        # is then closed (with the comparison of the jobs that ran) when the process exits.
+        atexit.register(self._finish_aborted)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
+        if (config.hydra.mode != RunMode.MULTIRUN or job_return.status != JobStatus.FAILED
+                or not OmegaConf.select(config, PARENT_KEY)):
+            return
+        try:
+            record_failed_job(config, job_return._return_value)  # the exception (the property re-raises it)
+        except Exception as e:  # recording the failure must not hide the job's own error
+            print(f"warning: could not record the failed job in MLflow: {e}", file=sys.stderr)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        if self.parent_id is None:  # on_multirun_start failed (Hydra turned its error into a warning)
+            return
+        atexit.unregister(self._finish_aborted)
+        self._show(*finish_parent(self.uri, self.parent_id))
+
+    def _show(self, keys: List[str], rows: List[dict]) -> None:
+        print(f"sweep {self.parent_id}: {len(rows)} jobs (`python -m trainer.report` prints this again)")
+        print(report.format_table(keys, rows), flush=True)
+
+    def _finish_aborted(self) -> None:
+        # Interrupted (Ctrl-C, SIGTERM: the entry point notes the signal) or stopped by an error.
+        stopped = "KILLED" if faults.stopped_by is not None else "FAILED"
+        try:
+            self._show(*finish_parent(self.uri, self.parent_id, stopped=stopped))
+        except Exception as e:
+            print(f"warning: could not close sweep run {self.parent_id}: {e}", file=sys.stderr)

@@ -1,0 +1,69 @@
+"""Range checks on the composed config, run before anything is built or recorded.
+
+The schemas (`trainer/config.py`) reject unknown keys and wrong types when Hydra composes the
+config; these checks catch values of the right type that cannot run. Each failure is one
+`ConfigError` naming the key, the value, what is allowed and a value that works, e.g.
+`loader.batch_size must be >= 1 (got 0): set loader.batch_size=64`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from trainer.errors import ConfigError
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+def at_least(key: str, value, low, fix) -> None:
+    """`key` must be >= `low`; `fix` is a value that works."""
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low} (got {value}): set {key}={fix}")
+
+
+def validate(cfg) -> None:
+    """Check the whole config; raise `ConfigError` for the first value that cannot run."""
+    loader, engine, model = cfg.loader, cfg.engine, cfg.model
+    at_least("loader.batch_size", loader.batch_size, 1, 64)
+    at_least("loader.num_workers", loader.num_workers, 0, 0)
+    if loader.prefetch_factor is not None:
+        at_least("loader.prefetch_factor", loader.prefetch_factor, 1, 2)
+    if "depth" in loader:
+        at_least("loader.depth", loader.depth, 1, 1)
+    # epochs=0 would run nothing whatever max_steps says: the loop runs epochs, capped by max_steps.
+    at_least("engine.epochs", engine.epochs, 1, "1 (engine.max_steps caps the steps)")
+    at_least("engine.max_steps", engine.max_steps, 0, "0 (no cap)")
+    at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)
+    if engine.optimizer.name not in OPTIMIZERS:
+        raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {engine.optimizer.name!r}): "
+                          f"set engine.optimizer.name=adam")
+    if not (engine.optimizer.lr > 0 and math.isfinite(engine.optimizer.lr)):
+        raise ConfigError(f"engine.optimizer.lr must be a finite number > 0 (got {engine.optimizer.lr}): set engine.optimizer.lr=0.001")
+    at_least("model.busy_ms", model.busy_ms, 0, 0)
+    for key, fix in (("hidden", 64), ("bottleneck", 3)):
+        if key in model:
+            at_least(f"model.{key}", model[key], 1, fix)
+    _validate_dataset(cfg.dataset)
+    classes = cfg.dataset.get("num_classes", 10)  # the vision datasets have 10
+    if model.name == "mlp" and classes < 2:
+        raise ConfigError(f"model=mlp needs labels of at least 2 classes (got dataset.num_classes={classes}): "
+                          f"set dataset.num_classes=10, or use model=autoencoder or model=noop")
+    if not cfg.tracking.experiment:
+        raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
+
+
+def _validate_dataset(cfg) -> None:
+    if cfg.name == "synthetic":
+        from datasets.synthetic import _validate  # the synthetic dataset's own checks, run before the run opens
+
+        _validate(cfg)
+    elif "num_samples" in cfg:
+        at_least("dataset.num_samples", cfg.num_samples, 0, "0 (the whole split)")
+
+
+def check_against_dataset(cfg, dataset) -> None:
+    """Checks that need the built dataset: a batch larger than the dataset would silently shrink to it."""
+    n, b = len(dataset), cfg.loader.batch_size
+    if b > n:
+        raise ConfigError(f"loader.batch_size must be <= {n}, the samples in dataset={cfg.dataset.name} (got {b}): "
+                          f"set loader.batch_size={min(64, n)} or dataset.num_samples>={b}")
