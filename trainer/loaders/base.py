@@ -55,7 +55,8 @@ class DeviceLoader:
         try:
             yield from self._live
         finally:
-            self._stop_workers()
+            if not self.dataloader.persistent_workers:  # persistent ones serve the next pass; close() stops them
+                self._stop_workers()
 
     def _stop_workers(self) -> None:
         live, self._live = getattr(self, "_live", None), None
