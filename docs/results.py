@@ -73,16 +73,6 @@ def m(run: Optional[Run], key: str) -> Optional[float]:
     return run.data.metrics.get(key) if run is not None else None
 
 
-def first_step(client: MlflowClient, run: Optional[Run], key: str) -> Optional[float]:
-    """The metric's value at step 1 (the first batch, before any warm-up)."""
-    if run is None:
-        return None
-    for point in client.get_metric_history(run.info.run_id, key):
-        if point.step == 1:
-            return point.value
-    return None
-
-
 def ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a / b if a is not None and b else None
 

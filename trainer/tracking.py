@@ -10,13 +10,12 @@ from __future__ import annotations
 import csv
 import http.client
 import importlib.util
-import json
 import os
 import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, List, Optional
 
 import mlflow
 from mlflow.entities import Metric, RunStatus

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Iterator, Optional, Tuple, Union
+from typing import Callable, Iterator, Tuple, Union
 
 import torch
 

@@ -14,7 +14,6 @@ assembled in a small page-locked staging buffer from the tail of one chunk and t
 
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
