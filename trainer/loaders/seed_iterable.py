@@ -90,10 +90,11 @@ class SeedIterableLoader(DeviceLoader):
             for batch in self._pinned_slices():
                 yield self._copy(batch, non_blocking=True)
         elif variant == "copy_in_loader":
-            yield from self.dataloader  # collate_fn has copied them
+            yield from self._batches()  # collate_fn has copied them
         else:
-            for batch in self.dataloader:
+            for batch in self._batches():
                 yield self._copy(batch, non_blocking=variant == "pin_batches")
 
     def close(self):
+        super().close()
         self.dataloader = None
