@@ -29,7 +29,7 @@ from matplotlib.figure import Figure
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
-from trainer import report
+from trainer.tracking import report
 from trainer.errors import ConfigError
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded picture otherwise

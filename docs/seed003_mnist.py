@@ -2,7 +2,7 @@
 
     python docs/seed003_mnist.py [--workers N] [override ...]
 
-Each case is one ordinary run (`trainer.run.run`) recorded in MLflow under the experiment
+Each case is one ordinary run (`trainer.loop.run.run`) recorded in MLflow under the experiment
 `seed003_mnist`; the table is read back from those runs. A run trains 2 epochs with the whole
 first epoch as warm-up, so its `timed_wall_s` is exactly the second epoch (synchronised at both
 ends; DataLoader workers are started again for it, as in the seed). Overrides apply to every
@@ -23,8 +23,8 @@ from mlflow.tracking import MlflowClient
 import trainer.config  # noqa: F401  (registers the config schemas)
 from datasets import build_dataset
 from trainer.config import PROJECT_ROOT
-from trainer.run import run
-from trainer.tracking import default_uri
+from trainer.loop.run import run
+from trainer.tracking.store import default_uri
 
 EXPERIMENT = "seed003_mnist"
 # Seed 003: MNIST, Flatten-Linear(784,512)-ReLU-Linear(512,10), SGD lr 0.01, batch 64, shuffled.

@@ -14,8 +14,8 @@ from hydra.errors import ConfigCompositionException
 from mlflow.tracking import MlflowClient
 
 from trainer.config import PROJECT_ROOT, SCHEMAS
-from trainer.run import run
-from trainer.tracking import PER_STEP_METRICS
+from trainer.loop.run import run
+from trainer.tracking.runs import PER_STEP_METRICS
 
 from conftest import compose_config
 

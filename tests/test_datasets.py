@@ -18,7 +18,7 @@ from datasets.synthetic import SyntheticDataset
 from models import build_model
 from trainer.config import PROJECT_ROOT
 from trainer.errors import ConfigError
-from trainer.run import run
+from trainer.loop.run import run
 
 from conftest import compose_config
 from fake_data import write_cifar10, write_mnist

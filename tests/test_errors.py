@@ -14,7 +14,7 @@ import torch
 from clirun import TINY, all_runs, error_line, run_cli, steps_csv
 from fake_data import write_mnist
 from trainer.errors import ConfigError
-from trainer.run import run
+from trainer.loop.run import run
 
 
 # -- caught when Hydra composes the config ---------------------------------------------------------
@@ -183,7 +183,7 @@ def test_tracking_folder_read_only(tmp_path):
 
 
 def test_check_tracking_uri_accepts_a_writable_sqlite_folder(tracking_uri):
-    from trainer.tracking import check_tracking_uri
+    from trainer.tracking.store import check_tracking_uri
     check_tracking_uri(tracking_uri)  # the folder exists and is writable: no error
     with pytest.raises(ConfigError, match="does not exist"):
         check_tracking_uri("sqlite:////nonexistent-feedbench/mlflow.db")

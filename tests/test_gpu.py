@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 from datasets import build_dataset
 from trainer.config import SCHEMAS
 from trainer.loaders import build_loader
-from trainer.run import run
-from trainer.verify import Checksum
+from trainer.loop.run import run
+from trainer.loop.verify import Checksum
 
 pytestmark = pytest.mark.gpu
 STRATEGIES = list(SCHEMAS["loader"])

@@ -18,8 +18,8 @@ from mlflow.tracking import MlflowClient
 
 from clirun import LONG, TINY, all_runs, children_of, command, error_line, steps_csv, wait_for_running
 from trainer.errors import Interrupted
-from trainer.faults import StopSignals
-from trainer.run import run
+from trainer.loop.faults import StopSignals
+from trainer.loop.run import run
 
 
 _started = []

@@ -8,7 +8,7 @@ import torch
 from datasets import build_dataset
 from trainer.config import SCHEMAS
 from trainer.loaders import build_loader
-from trainer.run import run
+from trainer.loop.run import run
 
 # seed_iterable draws seed 000's random rows (with replacement): it reproduces that seed rather than
 # delivering baseline's samples, and is tested with its preset (test_presets.py).

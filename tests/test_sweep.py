@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from trainer import report, sweep
+from trainer.tracking import report, sweep
 from trainer.errors import ConfigError
-from trainer.run import run
+from trainer.loop.run import run
 
 PLUGINS = Path(__file__).parent / "plugins"  # a launcher that runs every job in its own process
 SMALL = ["engine.max_steps=8", "dataset.num_samples=128", "dataset.shape=[8,8]", "engine.progress=false",
@@ -264,7 +264,7 @@ def _training_child(uri: str) -> bool:
 
 
 def test_timeline_draws_a_long_run_as_means_over_runs_of_steps(tmp_path):
-    from trainer import plots
+    from trainer.tracking import plots
     rows = [{"step": i, "samples": 64, "data_wait_ms": float(i % 2), "h2d_ms": 0.5, "compute_ms": 2.0,
              "step_ms": 4.0 + i % 2} for i in range(1, 2501)]
     edges, bars, size = plots._binned(rows)

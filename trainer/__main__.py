@@ -1,4 +1,4 @@
-"""`python -m trainer [overrides]`: the Hydra entry point; the work is in `trainer.run.run`.
+"""`python -m trainer [overrides]`: the Hydra entry point; the work is in `trainer.loop.run.run`.
 
 Bad input and failed runs end in one line on stderr and exit status 1 (set HYDRA_FULL_ERROR=1
 for the full trace). Ctrl-C and SIGTERM close the run as KILLED, keeping what it measured, and
@@ -15,9 +15,9 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 
 import trainer.config  # noqa: F401  (registers the config schemas)
-from trainer import faults
+from trainer.loop import faults
 from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
-from trainer.run import run
+from trainer.loop.run import run
 
 
 class JobFailed(CompactHydraException):

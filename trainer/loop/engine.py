@@ -6,8 +6,8 @@ import sys
 
 from tqdm import tqdm
 
-from trainer.faults import LossWatch
-from trainer.meter import StepMeter
+from trainer.loop.faults import LossWatch
+from trainer.loop.meter import StepMeter
 
 
 def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) -> int:

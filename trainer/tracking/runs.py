@@ -2,50 +2,32 @@
 
 Default store: sqlite `outputs/mlflow.db` at the project root, artifacts under `outputs/mlartifacts`,
 both absolute so the UI (`mlflow ui --backend-store-uri sqlite:///.../outputs/mlflow.db`) finds them
-wherever the job was launched from.
+wherever the job was launched from (`trainer.tracking.store`). A job of a sweep is nested under the
+sweep's parent run (`child_identity`).
 """
 
 from __future__ import annotations
 
 import csv
-import http.client
 import importlib.util
-import os
 import tempfile
-import urllib.error
-import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlflow
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from mlflow.entities import Metric, RunStatus
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from trainer import plots
-from trainer.config import PROJECT_ROOT
 from trainer.errors import ConfigError
-from trainer.meter import STEP_COLUMNS
+from trainer.loop.meter import STEP_COLUMNS
+from trainer.tracking import plots
+from trainer.tracking.store import OUTPUTS, default_uri, experiment_id, flatten
 
-OUTPUTS = PROJECT_ROOT / "outputs"
 PER_STEP_METRICS = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
-
-
-def default_uri() -> str:
-    return f"sqlite:///{OUTPUTS / 'mlflow.db'}"
-
-
-def artifact_root(uri: str) -> Optional[str]:
-    """Artifacts beside a local sqlite DB; a server decides for itself."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    return None
-
-
-def experiment_id(client: MlflowClient, name: str, uri: str) -> str:
-    """The experiment's id, created on first use with its artifacts beside a sqlite DB."""
-    exp = client.get_experiment_by_name(name)
-    return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(uri))
 
 
 def system_metrics(tracking) -> Optional[bool]:
@@ -63,52 +45,43 @@ def system_metrics(tracking) -> Optional[bool]:
     return True
 
 
-PREFLIGHT_TIMEOUT_S = 5.0  # MLflow itself retries an unreachable server for minutes
+def job_value(cfg: DictConfig, key: str) -> str:
+    """A key's value in a job's config; a config group reads as its chosen option's name."""
+    node = OmegaConf.select(cfg, key, default=None)
+    if isinstance(node, DictConfig):
+        return str(node.get("name", "?"))
+    return str(node)
 
 
-def check_tracking_uri(uri: Optional[str]) -> None:
-    """Fail before anything runs when runs could not be recorded at `tracking.uri`: a server that
-    does not answer, or a sqlite file in a missing or read-only folder."""
-    target = uri or default_uri()
-    if target.startswith(("http://", "https://")):
-        try:
-            urllib.request.urlopen(target.rstrip("/") + "/health", timeout=PREFLIGHT_TIMEOUT_S).close()
-        except urllib.error.HTTPError:
-            pass  # the server answered (an error page still proves it is there)
-        except (OSError, http.client.HTTPException) as e:  # refused, timed out, not an HTTP server
-            raise ConfigError(f"tracking.uri={target} is unreachable ({getattr(e, 'reason', e)}): start the MLflow "
-                              f"server there, or set tracking.uri=null to record in {default_uri()}") from None
-    elif target.startswith("sqlite:///"):
-        db = Path(target[len("sqlite:///"):])
-        try:
-            if uri is None:
-                OUTPUTS.mkdir(parents=True, exist_ok=True)
-            elif not db.parent.is_dir():
-                raise ConfigError(f"tracking.uri={target}: folder {db.parent} does not exist: create it "
-                                  f"(mkdir -p {db.parent}) or set tracking.uri=null")
-            with tempfile.TemporaryFile(dir=db.parent):  # sqlite also writes a journal beside the file
-                pass
-            if db.exists() and (db.is_dir() or not os.access(db, os.W_OK)):
-                raise PermissionError(0, f"{db} is not a writable file")
-        except OSError as e:
-            fix = "set tracking.uri=null" if uri else "set tracking.uri=sqlite:////<a writable folder>/mlflow.db"
-            raise ConfigError(f"tracking.uri={target}: cannot write in {db.parent} ({e.strerror or e}): "
-                              f"use a writable folder or {fix}") from None
+def _job_num() -> Optional[int]:
+    """Hydra's job number when this process runs a multirun job, else None."""
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
 
 
-def flatten(cfg) -> Dict[str, str]:
-    """The composed config as `section.key -> value` params."""
-    out: Dict[str, str] = {}
+def child_identity(client: MlflowClient, cfg: DictConfig) -> Tuple[Optional[str], Dict[str, str]]:
+    """Run name and tags that nest a job's run under `tracking.parent_run_id` (none if unset).
 
-    def walk(node, prefix):
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}{k}.")
-        else:
-            out[prefix[:-1]] = str(node)
-
-    walk(OmegaConf.to_container(cfg, resolve=True), "")
-    return out
+    The name is the job's value of each swept key (`loader=pinned model=mlp`), keys read from
+    the parent run's `sweep.keys` tag.
+    """
+    parent_id = cfg.tracking.parent_run_id
+    if not parent_id:
+        return None, {}
+    try:
+        parent = client.get_run(parent_id)
+    except MlflowException:
+        raise ConfigError(f"tracking.parent_run_id={parent_id} is not a run in {client.tracking_uri}: "
+                          "drop the key to record a run of its own") from None
+    keys = [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k]
+    name = " ".join(f"{k}={job_value(cfg, k)}" for k in keys) or None
+    tags = {"mlflow.parentRunId": parent_id}
+    num = _job_num()
+    if num is not None:
+        tags["sweep.job"] = str(num)
+    return name, tags
 
 
 class Tracker:
@@ -123,7 +96,6 @@ class Tracker:
         mlflow.set_tracking_uri(self.uri)
         self.client = MlflowClient(self.uri)
         exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
-        from trainer.sweep import child_identity  # here: trainer.sweep imports this module
         sweep_name, sweep_tags = child_identity(self.client, cfg)  # nested under tracking.parent_run_id
         self.run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.tracking.run_name or sweep_name,
                                     tags={**tags, **sweep_tags}, log_system_metrics=system_metrics(cfg.tracking))

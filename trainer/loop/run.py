@@ -11,18 +11,19 @@ import torch
 
 from datasets import build_dataset
 from models import build_model
-from trainer.engine import train
-from trainer.environment import describe
+from trainer.loop.engine import train
+from trainer.tools.environment import describe
 from trainer.errors import ConfigError
-from trainer.faults import StopSignals, explain_faults
+from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loaders import build_loader
-from trainer.meter import StepMeter
-from trainer.limits import h2d_bandwidth
-from trainer.profiling import StepProfiler
-from trainer.steps import build_optimizer, make_step
-from trainer.tracking import Tracker, check_tracking_uri
+from trainer.loop.meter import StepMeter
+from trainer.tools.limits import h2d_bandwidth
+from trainer.tools.profiling import StepProfiler
+from trainer.loop.steps import build_optimizer, make_step
+from trainer.tracking.runs import Tracker
+from trainer.tracking.store import check_tracking_uri
 from trainer.validate import check_against_dataset, validate
-from trainer.verify import Checksum
+from trainer.loop.verify import Checksum
 
 
 def select_device(name: str) -> torch.device:

@@ -4,7 +4,7 @@
 before the first job and hands its id to every job as the override
 `tracking.parent_run_id='<id>'`. The id travels with each job's overrides, so it reaches the job
 whichever launcher runs it (in this process, a worker pool or a cluster). After the last job the
-parent gets `comparison.csv` and `comparison.png` (trainer.report builds the table) and is closed.
+parent gets `comparison.csv` and `comparison.png` (trainer.tracking.report builds the table) and is closed.
 """
 
 from __future__ import annotations
@@ -15,19 +15,18 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from mlflow.entities import Param, RunStatus
-from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from trainer import faults, plots, report
-from trainer.errors import ConfigError
-from trainer.tracking import check_tracking_uri, default_uri, experiment_id, flatten
+from trainer.loop import faults
+from trainer.tracking import plots, report
+from trainer.tracking.runs import child_identity, job_value
+from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten
 
 PARENT_KEY = "tracking.parent_run_id"
 
@@ -44,45 +43,6 @@ def sweep_overrides(config: DictConfig) -> List[str]:
 
 def swept_keys(overrides: Sequence[str]) -> List[str]:
     return [o.key_or_group for o in OverridesParser.create().parse_overrides(list(overrides))]
-
-
-def _value(cfg: DictConfig, key: str) -> str:
-    """A key's value in a job's config; a config group reads as its chosen option's name."""
-    node = OmegaConf.select(cfg, key, default=None)
-    if isinstance(node, DictConfig):
-        return str(node.get("name", "?"))
-    return str(node)
-
-
-def _job_num() -> Optional[int]:
-    """Hydra's job number when this process runs a multirun job, else None."""
-    if not HydraConfig.initialized():
-        return None
-    hc = HydraConfig.get()
-    return int(hc.job.num) if hc.mode == RunMode.MULTIRUN else None
-
-
-def child_identity(client: MlflowClient, cfg: DictConfig) -> Tuple[Optional[str], Dict[str, str]]:
-    """Run name and tags that nest a job's run under `tracking.parent_run_id` (none if unset).
-
-    The name is the job's value of each swept key (`loader=pinned model=mlp`), keys read from
-    the parent run's `sweep.keys` tag.
-    """
-    parent_id = cfg.tracking.parent_run_id
-    if not parent_id:
-        return None, {}
-    try:
-        parent = client.get_run(parent_id)
-    except MlflowException:
-        raise ConfigError(f"tracking.parent_run_id={parent_id} is not a run in {client.tracking_uri}: "
-                          "drop the key to record a run of its own") from None
-    keys = [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k]
-    name = " ".join(f"{k}={_value(cfg, k)}" for k in keys) or None
-    tags = {"mlflow.parentRunId": parent_id}
-    num = _job_num()
-    if num is not None:
-        tags["sweep.job"] = str(num)
-    return name, tags
 
 
 def start_parent(tracking: DictConfig, name: str, keys: Sequence[str], tags: Dict[str, str]) -> str:
@@ -132,8 +92,8 @@ def record_failed_job(config: DictConfig, error: BaseException) -> None:
     name, tags = child_identity(client, task_cfg)
     cause = error.__cause__ or error  # the entry point may wrap the error for Hydra's one-line report
     tags.update({"sweep.job": num, "error": f"{type(cause).__name__}: {cause}"[:5000],
-                 "strategy": _value(task_cfg, "loader"), "model": _value(task_cfg, "model"),
-                 "dataset": _value(task_cfg, "dataset")})
+                 "strategy": job_value(task_cfg, "loader"), "model": job_value(task_cfg, "model"),
+                 "dataset": job_value(task_cfg, "dataset")})
     run = client.create_run(exp_id, run_name=name, tags=tags)
     params = [Param(k, v) for k, v in flatten(task_cfg).items()]
     for i in range(0, len(params), 100):  # log_batch takes at most 100 params

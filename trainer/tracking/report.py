@@ -1,0 +1,207 @@
+"""`python -m trainer.report`: compare the jobs of a sweep, read back from MLflow.
+
+The comparison table built here is the one the sweep callback stores on the parent run as
+`comparison.csv`; both read the child runs' logged metrics, so the numbers are the runs' own.
+Each job's speedup is against the `baseline` job with the same other settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import math
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from mlflow.entities import Run
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from trainer.errors import ConfigError
+from trainer.tracking.store import default_uri
+
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "gpu_busy_fraction", "data_wait_fraction", "h2d_GBps")
+FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "gpu_busy_fraction": "{:.3f}",
+           "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}"}
+BASELINE = "baseline"
+STRATEGY = "loader.name"
+
+
+# ----------------------------------------------------------------------------- reading MLflow
+def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
+    """A client on `uri` (default: the project's sqlite DB); a missing sqlite file is an error,
+    not silently created empty."""
+    uri = uri or default_uri()
+    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
+        raise ConfigError(f"no MLflow database at {uri[len('sqlite:///'):]}: run a sweep first "
+                          "(python -m trainer -m loader=baseline,pinned) or pass --uri")
+    return MlflowClient(uri), uri
+
+
+def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None) -> Run:
+    """The sweep's parent run: `run_id` (a child's id leads to its parent), else the newest sweep
+    in `experiment` (default: in any experiment)."""
+    if run_id:
+        try:
+            run = client.get_run(run_id)
+        except MlflowException:
+            raise ConfigError(f"--sweep {run_id}: no such run in this store") from None
+        parent = run.data.tags.get("mlflow.parentRunId")
+        return client.get_run(parent) if parent else run
+    if experiment:
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            raise ConfigError(f"no experiment {experiment!r} in this store: pass --experiment NAME")
+        ids = [exp.experiment_id]
+    else:
+        ids = [e.experiment_id for e in client.search_experiments()]
+    found = client.search_runs(ids, filter_string="tags.sweep = 'true'",
+                               order_by=["attributes.start_time DESC"], max_results=1) if ids else []
+    if not found:
+        raise ConfigError(f"no sweep in {'experiment ' + repr(experiment) if experiment else 'this store'}: "
+                          "run one with `python -m trainer -m loader=baseline,pinned` or pass --sweep RUN_ID")
+    return found[0]
+
+
+def children(client: MlflowClient, parent: Run) -> List[Run]:
+    """The parent's child runs in job order (Hydra's job number, then start time)."""
+    runs = client.search_runs([parent.info.experiment_id],
+                              filter_string=f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'",
+                              max_results=10000)
+
+    def order(r: Run):
+        job = r.data.tags.get("sweep.job", "")
+        return (0, int(job), r.info.start_time) if job.isdigit() else (1, 0, r.info.start_time)
+    return sorted(runs, key=order)
+
+
+# ----------------------------------------------------------------------------- the table
+def setting_keys(runs: Sequence[Run], swept: Sequence[str] = ()) -> Tuple[List[str], List[str]]:
+    """(shown, compared): the params that tell the jobs apart, and those that make 'the same
+    other settings' (every differing param but the strategy).
+
+    A param counts when it is set in every run and not equal in all of them: a strategy-only
+    option (`loader.depth`) is absent from other strategies' runs, so it never splits them.
+    Shown are the sweep's own keys, in their order, when the parent run names them.
+    """
+    params = [r.data.params for r in runs]
+    if not params:
+        return [], []
+    common = set.intersection(*(set(p) for p in params))
+    varying = sorted(k for k in common if not k.startswith("tracking.") and len({p[k] for p in params}) > 1)
+    shown = [k for k in (s if s in common else f"{s}.name" for s in swept) if k in common]
+    return shown or varying, [k for k in varying if k != STRATEGY]
+
+
+def column(key: str) -> str:
+    """`loader.name` -> `loader`: a config group's choice reads as the group."""
+    group, _, leaf = key.partition(".")
+    return group if leaf == "name" else key
+
+
+def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[Dict[str, object]]]:
+    """One row per job: its distinguishing settings, status and metrics, and its speedup over
+    the `baseline` job with the same other settings (None when there is no finished one).
+
+    Only a FINISHED run's metrics are shown: a failed job's partial numbers are not comparable.
+    """
+    keys, others = setting_keys(runs, [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k])
+    rows: List[Dict[str, object]] = []
+    for i, r in enumerate(runs):
+        done = r.info.status == "FINISHED"
+        row: Dict[str, object] = {"job": r.data.tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
+        row.update({column(k): r.data.params.get(k, "") for k in keys})
+        row["status"] = r.info.status
+        for m in METRICS:
+            row[m] = r.data.metrics.get(m) if done else None
+        row["run_id"] = r.info.run_id
+        rows.append(row)
+    for row, r in zip(rows, runs):
+        if row["throughput_samples_per_s"] is None:
+            continue
+        setting = [r.data.params.get(k) for k in others]
+        for b_row, b in zip(rows, runs):
+            if (b.data.params.get(STRATEGY) == BASELINE and b_row["throughput_samples_per_s"]
+                    and [b.data.params.get(k) for k in others] == setting):
+                row["speedup_vs_baseline"] = row["throughput_samples_per_s"] / b_row["throughput_samples_per_s"]
+                break
+    return [column(k) for k in keys], rows
+
+
+def header(keys: Sequence[str]) -> List[str]:
+    return ["job", *keys, "status", *METRICS, "run_name", "run_id"]
+
+
+def _cell(key: str, value, exact: bool) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float):
+        return repr(value) if exact else FORMATS.get(key, "{:.4g}").format(value)
+    return str(value)
+
+
+def format_table(keys: Sequence[str], rows: Sequence[dict]) -> str:
+    """An aligned plain-text table: text left, numbers right."""
+    cols = header(keys)[:-2]  # run name and id: in the CSV
+    cells = [[_cell(c, row.get(c), exact=False) for c in cols] for row in rows]
+    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
+    numeric = [c in METRICS for c in cols]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def to_csv(keys: Sequence[str], rows: Sequence[dict]) -> str:
+    """Every value at full precision (`repr` of the logged float)."""
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(header(keys))
+    for row in rows:
+        w.writerow([_cell(c, row.get(c), exact=True) for c in header(keys)])
+    return out.getvalue()
+
+
+def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
+    cols = header(keys)[:-2]
+    lines = ["| " + " | ".join(cols) + " |",
+             "|" + "|".join("---:" if c in METRICS else "---" for c in cols) + "|"]
+    lines += ["| " + " | ".join(_cell(c, row.get(c), exact=False) for c in cols) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str, object]]]:
+    """The comparison of one sweep (the parent run and its children)."""
+    return comparison_rows(parent, children(client, parent))
+
+
+# ----------------------------------------------------------------------------- command line
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
+    p.add_argument("--uri", help="MLflow tracking URI (default: the project's outputs/mlflow.db)")
+    p.add_argument("--experiment", help="look for the latest sweep in this experiment only")
+    p.add_argument("--sweep", "--run", dest="sweep", metavar="RUN_ID",
+                   help="parent run id of the sweep, or one of its children (default: the latest sweep)")
+    p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
+    p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
+    args = p.parse_args(argv)
+    try:
+        client, uri = open_store(args.uri)
+        parent = find_parent(client, args.experiment, args.sweep)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    keys, rows = compare(client, parent)
+    print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
+    print(format_table(keys, rows) if rows else "(no child runs)")
+    if args.csv:
+        args.csv.write_text(to_csv(keys, rows))
+    if args.markdown:
+        args.markdown.write_text(to_markdown(keys, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
