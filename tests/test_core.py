@@ -20,7 +20,8 @@ from trainer.tracking.runs import PER_STEP_METRICS
 from conftest import compose_config
 
 SUMMARIES = ["throughput_samples_per_s", "data_wait_fraction", "gpu_busy_fraction", "h2d_GBps", "setup_s",
-             "peak_gpu_mem_mb", "total_steps", "total_samples"]
+             "peak_gpu_mem_mb", "total_steps", "total_samples", "ms_per_step", "host_page_faults_per_step",
+             "host_cpu_ms_per_step"]
 TAGS = ["strategy", "dataset", "model", "device", "degraded", "gpu_name", "torch_version", "cuda_version"]
 
 
@@ -86,6 +87,58 @@ def test_max_steps_caps_across_epochs(tiny_cfg):
     assert summary["total_steps"] == 8
 
 
+def test_max_steps_is_the_runs_length_past_epochs(tiny_cfg, tracking_uri, runs):
+    # 96 samples in batches of 16: one epoch is 6 steps; max_steps=10 runs into a second epoch.
+    summary = run(tiny_cfg("engine.epochs=1", "engine.max_steps=10"))
+    assert summary["total_steps"] == 10 and summary["total_samples"] == 160 and summary["timed_steps"] == 9
+    (r,) = runs()
+    rows = list(csv.DictReader(io.StringIO(Path(MlflowClient(tracking_uri).download_artifacts(
+        r.info.run_id, "steps.csv")).read_text())))
+    assert [int(x["epoch"]) for x in rows] == [0] * 6 + [1] * 4
+
+
+def test_host_side_of_the_timed_steps_is_recorded(tiny_cfg, runs):
+    summary = run(tiny_cfg("engine.epochs=3", "engine.warmup_steps=2"))
+    assert summary["timed_steps"] == 16
+    assert summary["host_cpu_ms_per_step"] > 0 and summary["host_page_faults_per_step"] >= 0
+    assert summary["ms_per_step"] == pytest.approx(summary["timed_wall_s"] * 1e3 / 16)
+    (r,) = runs()
+    for key in ("host_cpu_ms_per_step", "host_page_faults_per_step", "ms_per_step"):
+        assert r.data.metrics[key] == pytest.approx(summary[key]), key
+
+
+def test_a_run_that_is_all_warm_up_says_so_and_times_nothing(tiny_cfg, runs, capsys):
+    summary = run(tiny_cfg("engine.epochs=3", "engine.warmup_steps=50"))
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(err) == 1 and "engine.warmup_steps=50" in err[0] and "18 steps" in err[0] and "timed_steps=0" in err[0]
+    assert summary["timed_steps"] == 0 and summary["total_steps"] == 18
+    assert "throughput_samples_per_s" not in summary and "ms_per_step" not in summary
+    (r,) = runs()
+    assert r.info.status == "FINISHED" and r.data.metrics["timed_steps"] == 0
+    assert "throughput_samples_per_s" not in r.data.metrics  # warm-up steps are never summarised
+
+
+def test_the_meter_keeps_no_step_tensor_alive():
+    import weakref
+    import torch
+    from trainer.loop.meter import StepMeter
+    meter = StepMeter(torch.device("cpu"), warmup_steps=1, capacity=2)  # grows past its capacity
+    refs = []
+    for i in range(5):
+        meter.wait_begin()
+        meter.step_begin(4)
+        loss = torch.tensor(float(i)) * 2
+        refs.append(weakref.ref(loss))
+        meter.step_end(loss)
+        del loss
+        if i == 0:
+            meter.start_timed()
+    assert all(ref() is None for ref in refs)
+    assert meter.losses(0, 5).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
+    result = meter.finish()
+    assert [row["step"] for row in result.rows] == [1, 2, 3, 4, 5] and result.summary["timed_steps"] == 4
+
+
 def test_warmup_is_excluded_from_summaries(tiny_cfg):
     summary = run(tiny_cfg("engine.warmup_steps=4"))
     assert summary["timed_steps"] == 2 and summary["total_steps"] == 6
@@ -120,3 +173,20 @@ def test_main_command_and_sweep_from_another_directory(tmp_path, tracking_uri, r
     assert sorted(r.data.tags["strategy"] for r in children) == ["baseline", "pinned", "prefetch"]
     assert all(r.info.status == "FINISHED" for r in children)
     assert not (tmp_path / "outputs").exists()  # nothing written relative to where it was launched
+
+
+def test_overhead_tool_compares_the_cli_with_a_plain_loop_in_alternating_repeats(tmp_path):
+    table = tmp_path / "overhead.md"
+    proc = subprocess.run([sys.executable, "-m", "trainer.overhead", "--repeats", "2", "--loaders", "pinned",
+                           "--markdown", str(table), "engine.device=cpu", "dataset.num_samples=96",
+                           "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=12",
+                           "engine.warmup_steps=2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    repeats = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("repeat")]
+    assert len(repeats) == 2
+    for words in repeats:  # "repeat 1: engine E ms/step, plain P ms/step, ratio R"
+        engine, plain, ratio = float(words[3]), float(words[6]), float(words[9])
+        assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)  # printed rounded
+    (row,) = [line for line in table.read_text().splitlines() if line.startswith("| `pinned`")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "no" and float(cells[2]) > 0 and float(cells[3]) > 0

@@ -6,10 +6,13 @@ import csv
 import io
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -177,7 +180,7 @@ def test_speedup_pairs_jobs_with_the_same_other_settings(tiny_cfg, tracking_uri)
     assert names == {f"loader={s} loader.batch_size={b}" for s in ("baseline", "prefetch") for b in (16, 32)}
 
 
-def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, tracking_uri, capsys):
+def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, tracking_uri, capsys, tmp_path):
     cfg = tiny_cfg()
     parent_id = sweep.start_parent(cfg.tracking, "small", ["loader"], {})
     for strategy in ("baseline", "pinned"):
@@ -190,6 +193,17 @@ def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, t
     out = capsys.readouterr().out.splitlines()
     assert parent_id in out[0] and out[1].split()[:3] == ["job", "loader", "status"]
     assert sorted(line.split()[1] for line in out[3:]) == ["baseline", "pinned"]
+    assert "engine_vs_plain" not in out[1]
+
+    # --plain: each job's config run again as a plain loop in its own process, logged on the job.
+    assert report.main(["--uri", tracking_uri, "--plain", "--csv", str(tmp_path / "t.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split()[-2:] == ["plain_ms_per_step", "engine_vs_plain"]
+    rows = csv_rows((tmp_path / "t.csv").read_text())
+    for row in rows:
+        assert float(row["engine_vs_plain"]) == pytest.approx(float(row["ms_per_step"]) / float(row["plain_ms_per_step"]))
+        logged = client.get_run(row["run_id"]).data.metrics
+        assert logged["plain_timed_steps"] == 5 and logged["engine_vs_plain"] == float(row["engine_vs_plain"])
 
 
 def test_report_errors_name_the_fix_and_create_nothing(tmp_path, tracking_uri, capsys):
@@ -250,17 +264,20 @@ def test_interrupted_sweep_closes_its_parent_as_killed_with_the_comparison(tmp_p
 
 
 def _training_child(uri: str) -> bool:
-    """A child run is open and has logged `environment.json` (what comes before the loop)."""
-    if not Path(uri[len("sqlite:///"):]).exists():
+    """A child run is open and has logged `environment.json` (what comes before the loop).
+
+    Read-only, with sqlite itself: an MLflow client would create missing tables, racing the
+    sweep that is creating them."""
+    path = Path(uri[len("sqlite:///"):])
+    if not path.exists():
         return False
     try:
-        client = MlflowClient(uri)
-        exp = client.get_experiment_by_name("feedbench")
-        found = client.search_runs([exp.experiment_id], filter_string="attributes.status = 'RUNNING'") if exp else []
-        return any("mlflow.parentRunId" in r.data.tags and
-                   "environment.json" in {a.path for a in client.list_artifacts(r.info.run_id)} for r in found)
-    except Exception:  # the sweep is still creating the database's tables
+        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+            running = db.execute("SELECT r.artifact_uri FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
+                                 "WHERE r.status = 'RUNNING' AND t.key = 'mlflow.parentRunId'").fetchall()
+    except sqlite3.Error:  # no tables yet
         return False
+    return any((Path(urlparse(a).path) / "environment.json").exists() for (a,) in running)
 
 
 def test_timeline_draws_a_long_run_as_means_over_runs_of_steps(tmp_path):

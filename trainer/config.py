@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from types import SimpleNamespace
+
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -164,8 +166,8 @@ class OptimizerConfig:
 class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # model init and shuffling
-    epochs: int = 3
-    max_steps: int = 0  # stop after this many steps (0 = no cap)
+    epochs: int = 3  # passes over the data when max_steps=0
+    max_steps: int = 0  # the run's length in steps, over as many epochs as it takes (0: `epochs` passes)
     warmup_steps: int = 5  # excluded from the summaries
     verify: bool = False  # checksum every batch on the device (tag data_checksum)
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
@@ -206,6 +208,15 @@ SCHEMAS = {
     },
     "model": {"autoencoder": AutoencoderConfig, "mlp": MlpConfig, "noop": NoopConfig},
 }
+
+
+def plain(section):
+    """A component's config section as a plain object (its schema's dataclass), for code that reads
+    it per batch: an OmegaConf attribute lookup costs ~10 us, a dataclass attribute ~50 ns."""
+    if not isinstance(section, DictConfig):
+        return section
+    obj = OmegaConf.to_object(section)
+    return SimpleNamespace(**obj) if isinstance(obj, dict) else obj
 
 
 def register() -> None:

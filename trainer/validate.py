@@ -30,9 +30,8 @@ def validate(cfg) -> None:
         at_least("loader.prefetch_factor", loader.prefetch_factor, 1, 2)
     if "depth" in loader:
         at_least("loader.depth", loader.depth, 1, 1)
-    # epochs=0 would run nothing whatever max_steps says: the loop runs epochs, capped by max_steps.
-    at_least("engine.epochs", engine.epochs, 1, "1 (engine.max_steps caps the steps)")
-    at_least("engine.max_steps", engine.max_steps, 0, "0 (no cap)")
+    at_least("engine.epochs", engine.epochs, 1, "1 (or set engine.max_steps, the run's length in steps)")
+    at_least("engine.max_steps", engine.max_steps, 0, "0 (run engine.epochs passes)")
     at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)
     if engine.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {engine.optimizer.name!r}): "

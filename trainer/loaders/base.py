@@ -9,6 +9,7 @@ from typing import Callable, Iterator, Tuple, Union
 import torch
 
 from datasets.base import FeedDataset
+from trainer.config import plain
 from trainer.errors import ConfigError
 from trainer.loaders.order import EpochSampler
 
@@ -26,7 +27,7 @@ class DeviceLoader:
     needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
 
     def __init__(self, cfg, dataset: FeedDataset, device: torch.device, seed: int = 0):
-        self.cfg, self.dataset, self.device, self.seed = cfg, dataset, torch.device(device), seed
+        self.cfg, self.dataset, self.device, self.seed = plain(cfg), dataset, torch.device(device), seed
         self.on_cuda = self.device.type == "cuda"
         self.setup_s = 0.0  # one-time cost paid before the first batch (pinning, uploading)
         self.pinned_bytes = 0  # page-locked host memory this loader holds

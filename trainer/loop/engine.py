@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 
 from tqdm import tqdm
@@ -10,18 +11,29 @@ from trainer.loop.faults import LossWatch
 from trainer.loop.meter import StepMeter
 
 
+def planned_steps(cfg, loader) -> int:
+    """Steps the run will take. `engine.max_steps`, when set, is the run's length: the loop goes
+    on for as many epochs as that takes (`engine.epochs` counts only when `max_steps=0`)."""
+    return cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * len(loader)
+
+
 def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) -> int:
-    """Run `cfg.epochs` passes over `loader` (at most `cfg.max_steps` steps); returns steps done."""
-    planned = cfg.epochs * len(loader)
-    total = min(planned, cfg.max_steps) if cfg.max_steps else planned
+    """Run `planned_steps(cfg, loader)` steps over `loader`, epoch after epoch; returns steps done."""
+    # Read the config once: an OmegaConf attribute costs ~10 us, more than a small graphed step's budget.
+    total, warmup = planned_steps(cfg, loader), cfg.warmup_steps
     bar = tqdm(total=total, file=sys.stderr, mininterval=0.5, unit="step", leave=False,
                disable=not (cfg.progress and sys.stderr.isatty()))
     watch = LossWatch(meter, cfg.optimizer.lr)  # NaN/inf loss: checked lagged, never with a sync
-    step, batches = 0, None
+    step, epoch, batches = 0, 0, None
+    # The objects built so far (configs, MLflow, Hydra) live for the whole run: freeze them out of
+    # the cyclic garbage collector, so its passes in the loop cost what they would in a bare script.
+    gc.collect()
+    gc.freeze()
     try:
-        for epoch in range(cfg.epochs):
+        while step < total:
             meter.epoch = epoch
             batches = iter(loader)
+            start = step
             while step < total:
                 meter.wait_begin()
                 batch = next(batches, None)  # data_wait: the host blocks here until a batch is ready
@@ -30,21 +42,24 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
                 if checksum is not None:
                     checksum.update(*batch)  # device-side hash, read after the loop
                 meter.step_begin(len(batch[0]))
-                loss = step_fn(*batch)
-                meter.step_end(loss)
+                # Keep no reference to the loss past the step: a small tensor alive while the next
+                # batch is allocated splits the hole the last batch left (see trainer.loop.meter).
+                meter.step_end(step_fn(*batch))
                 step += 1
                 bar.update()  # tqdm redraws at most every `mininterval` seconds
                 watch.after_step(step)
                 if profiler is not None:
                     profiler.step()
-                if step == cfg.warmup_steps:
+                if step == warmup:
                     meter.start_timed()
+            if step == start:  # an empty pass: nothing more to come
+                break
             if checksum is not None:
                 checksum.end_epoch()
-            if step >= total:
-                break
+            epoch += 1
         watch.final()
     finally:
+        gc.unfreeze()
         bar.close()
         if hasattr(batches, "close"):  # stop this pass's DataLoader workers and copies now, even on error
             batches.close()

@@ -90,22 +90,24 @@ class LossWatch:
     to one number (the offset of the first non-finite loss, or -1), copied to page-locked host
     memory without blocking, and an event is recorded. That verdict is read at a later check,
     once its event has completed (`Event.query()` never blocks), so a bad loss stops the run
-    within about 2 x `every` steps. `final()` checks the rest after the loop.
+    within about 2 x `every` steps. `final()` checks the rest after the loop. The host buffer and
+    the event are made once and reused: one verdict is in flight at a time.
     """
 
     def __init__(self, meter, lr: float, every: int = 20):
         self.meter, self.lr, self.every = meter, lr, every
         self.cuda = meter.device.type == "cuda"
         self.checked = 0  # steps covered by verdicts already issued
-        self.pending = None  # (first step covered, verdict on the host, its event)
+        self.pending: Optional[int] = None  # first step covered by the verdict in flight
         self._host = torch.empty((), dtype=torch.int64, pin_memory=self.cuda)
+        self._event = torch.cuda.Event() if self.cuda else None
 
     def after_step(self, step: int) -> None:
         """Called after every step: cheap unless `step` is a multiple of `every`."""
         if step % self.every:
             return
         if self.pending is not None:
-            if self.pending[2] is not None and not self.pending[2].query():
+            if self.cuda and not self._event.query():
                 return  # the device has not got there yet: look again at the next check
             self._read()
         self._issue(step)
@@ -116,32 +118,28 @@ class LossWatch:
         """After the loop (the meter syncs there anyway): check every loss not checked yet."""
         if self.pending is not None:
             self._wait_and_read()
-        self._issue(len(self.meter.steps))
+        self._issue(self.meter.ended)
         if self.pending is not None:
             self._wait_and_read()
 
     def _issue(self, upto: int) -> None:
         losses = self.meter.losses(self.checked, upto)
-        if not losses:
+        if not len(losses):
             return
-        bad = ~torch.isfinite(torch.stack(losses))
-        first = torch.where(bad.any(), bad.int().argmax(), -1)
-        self._host.copy_(first, non_blocking=self.cuda)
-        event = None
+        bad = ~torch.isfinite(losses)
+        self._host.copy_(torch.where(bad.any(), bad.int().argmax(), -1), non_blocking=self.cuda)
         if self.cuda:
-            event = torch.cuda.Event()
-            event.record()
-        self.pending, self.checked = (self.checked, self._host, event), upto
+            self._event.record()
+        self.pending, self.checked = self.checked, upto
 
     def _wait_and_read(self) -> None:
-        if self.pending[2] is not None:
-            self.pending[2].synchronize()
+        if self.cuda:
+            self._event.synchronize()
         self._read()
 
     def _read(self) -> None:
-        start, host, _ = self.pending
-        self.pending = None
-        offset = int(host)
+        start, self.pending = self.pending, None
+        offset = int(self._host)
         if offset < 0:
             return
         step = start + offset + 1  # steps are numbered from 1, as in steps.csv

@@ -1,22 +1,37 @@
-"""The one meter: per-step data wait, host->device copy, compute and wall time.
+"""The one meter: per-step data wait, host->device copy, compute and wall time, and the host's cost.
 
 On CUDA the copy and the step are timed with CUDA events recorded on the stream that does the
 work (the copy stream for side-stream copies, the compute stream for the step). Events are only
 *read* in `finish()`, after the timed region, so timing adds no synchronisation to the loop.
 Host timers measure what the host experiences: waiting for the next batch, and each step's wall.
+Over the timed steps the meter also reads the process's minor page faults and CPU time
+(`getrusage`), so a loop whose host side thrashes shows it.
+
+The meter allocates nothing per step that outlives the step. Everything it keeps (events, the
+loss of every step, host timings) is allocated before the loop for the planned number of steps.
+This matters more than it looks: small long-lived allocations made between steps (a CUDA event,
+a cloned loss tensor) land in the gaps glibc's allocator leaves around each freed multi-megabyte
+batch, so the next batch no longer fits in the hole the last one left; the heap grows, is trimmed
+back to the OS, and every page of every new batch is faulted in again (thousands of page faults
+and milliseconds per step for a 16 MB pageable batch). A plain loop does not do that, and the
+meter must not either.
 """
 
 from __future__ import annotations
 
 import math
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 
 STEP_COLUMNS = ("step", "epoch", "samples", "data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
+PREALLOCATE_MAX = 1 << 17  # steps whose events/slots are made up front; longer runs grow in blocks
+_GROW = 4096  # steps added at a time past that (one pause every 4096 steps)
 
 
 @dataclass
@@ -27,35 +42,81 @@ class MeterResult:
     summary: Dict[str, float] = field(default_factory=dict)
 
 
+def host_usage() -> tuple:
+    """(minor page faults, CPU seconds user+system) of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_utime + r.ru_stime
+
+
+class _Events:
+    """Timing events made ahead of use; `take()` hands out the next one."""
+
+    def __init__(self, n: int):
+        self.pool: List[torch.cuda.Event] = []
+        self.used = 0
+        self.grow(n)
+
+    def grow(self, n: int) -> None:
+        self.pool += [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+
+    def take(self) -> torch.cuda.Event:
+        if self.used == len(self.pool):
+            self.grow(_GROW)
+        self.used += 1
+        return self.pool[self.used - 1]
+
+
 class StepMeter:
     """Call order per step: `wait_begin()`, (loader copies: `copy_begin/copy_end`),
     `step_begin(batch_size)`, `step_end(loss)`. The first `warmup_steps` are excluded from the
-    summaries; `start_timed()` is called once, after them."""
+    summaries; `start_timed()` is called once, after them. `capacity` is the number of steps the
+    loop plans to take: storage for them is allocated here, before the loop."""
 
-    def __init__(self, device: torch.device, warmup_steps: int):
+    def __init__(self, device: torch.device, warmup_steps: int, capacity: int):
         self.device, self.warmup_steps = device, warmup_steps
         self.cuda = device.type == "cuda"
-        self.copies: List[tuple] = []  # (begin event, end event, bytes), in batch order
-        self.steps: List[list] = []  # [epoch, samples, data_wait_ms, start, end, step_ms, loss]
         self.epoch = 0
         self.setup_s = 0.0
-        self._t_wait = self._t_step = 0.0
-        self._t0: Optional[float] = None
-        self._wall_s = 0.0
-        self._ref = self._event() if self.cuda else None
-        if self._ref is not None:
+        self.n = 0  # steps begun
+        self._cap = 0
+        self._host = np.zeros((0, 4))  # per step: data_wait_ms, step_ms, start, end (host clock)
+        self._meta = np.zeros((0, 2), dtype=np.int64)  # per step: epoch, samples
+        self._loss_blocks: List[torch.Tensor] = []
+        self._loss_slots: List[torch.Tensor] = []
+        self.ended = 0  # steps that ran to the end (a step interrupted half-way does not count)
+        self._begin = self._end = None
+        if self.cuda:
+            self._begin, self._end = _Events(0), _Events(0)
+            self._copy_events = _Events(0)
+            self._ref = torch.cuda.Event(enable_timing=True)
             self._ref.record()
+        self.copies: List[tuple] = []  # (begin event, end event, bytes), in batch order
+        self._reserve(min(max(capacity, 1), PREALLOCATE_MAX))
+        self._t_wait = 0.0
+        self._t0: Optional[float] = None
+        self._timed_from = 0
+        self._usage0 = self._usage1 = (0, 0.0)
 
-    def _event(self):
-        return torch.cuda.Event(enable_timing=True)
+    def _reserve(self, n: int) -> None:
+        """Room for `n` more steps (before the loop; past PREALLOCATE_MAX, in blocks)."""
+        self._cap += n
+        self._host = np.concatenate([self._host, np.zeros((n, 4))])
+        self._meta = np.concatenate([self._meta, np.zeros((n, 2), dtype=np.int64)])
+        block = torch.zeros(n, device=self.device)
+        self._loss_blocks.append(block)
+        self._loss_slots += list(block.unbind())  # views made now, so step_end allocates nothing
+        if self.cuda:
+            self._begin.grow(n)
+            self._end.grow(n)
+            self._copy_events.grow(n + 8)  # copies run up to `depth` batches ahead of the steps
 
     # -- copy probe (called by the loader, on the stream doing the copy) -------------------------
     def copy_begin(self, stream) -> None:
-        self._copy_start = self._event()
+        self._copy_start = self._copy_events.take()
         self._copy_start.record(stream)
 
     def copy_end(self, stream, nbytes: int) -> None:
-        end = self._event()
+        end = self._copy_events.take()
         end.record(stream)
         self.copies.append((self._copy_start, end, nbytes))
 
@@ -65,31 +126,48 @@ class StepMeter:
 
     def step_begin(self, samples: int) -> None:
         now = time.perf_counter()
-        start = None
+        i = self.n
+        if i == self._cap:
+            self._reserve(_GROW)
+        self.n += 1
+        row = self._host[i]
+        row[0] = (now - self._t_wait) * 1e3
+        self._meta[i, 0], self._meta[i, 1] = self.epoch, samples
         if self.cuda:
-            start = self._event()
-            start.record()
-        self.steps.append([self.epoch, samples, (now - self._t_wait) * 1e3, start or now, None, 0.0, None])
+            self._begin.pool[i].record()
+        else:
+            row[2] = now
 
     def step_end(self, loss: torch.Tensor) -> None:
-        row = self.steps[-1]
+        i = self.n - 1
         if self.cuda:
-            row[4] = self._event()
-            row[4].record()
+            self._end.pool[i].record()
         else:
-            row[4] = time.perf_counter()
-        row[5] = (time.perf_counter() - self._t_wait) * 1e3
-        row[6] = loss.detach().clone()  # read in finish(); clone: a graphed step reuses its output
+            self._host[i, 3] = time.perf_counter()
+        # A copy into a slot made before the loop: a graphed step reuses its output tensor, and
+        # keeping each step's own loss tensor alive would be a per-step allocation (see above).
+        self._loss_slots[i].copy_(loss.detach())
+        self._host[i, 1] = (time.perf_counter() - self._t_wait) * 1e3
+        self.ended = self.n
 
-    def losses(self, start: int, stop: int) -> List[torch.Tensor]:
-        """Loss tensors of steps `start + 1 .. stop`, unread (still on the device)."""
-        return [r[6] for r in self.steps[start:stop]]
+    def losses(self, start: int, stop: int) -> torch.Tensor:
+        """Losses of steps `start + 1 .. stop`, unread (still on the device)."""
+        blocks, out, lo = self._loss_blocks, [], 0
+        for b in blocks:
+            hi = lo + len(b)
+            if start < hi and stop > lo:
+                out.append(b[max(start, lo) - lo:min(stop, hi) - lo])
+            lo = hi
+        if len(out) == 1:
+            return out[0]
+        return torch.cat(out) if out else self._loss_blocks[0][:0]
 
     def start_timed(self) -> None:
         """Start the timed region: one sync so warm-up work does not leak into it."""
         self._sync()
         self._t0 = time.perf_counter()
-        self._timed_from = len(self.steps)
+        self._timed_from = self.n
+        self._usage0 = host_usage()
 
     def _sync(self) -> None:
         if self.cuda:
@@ -100,55 +178,63 @@ class StepMeter:
         """Wait for the device, read every event and compute the summaries."""
         self._sync()
         t1 = time.perf_counter()
-        if self.steps and self.steps[-1][6] is None:  # interrupted between step_begin and step_end
-            self.steps.pop()
-        if self._t0 is None:  # fewer steps than warm-up: summarise all of them
-            self._t0, self._timed_from = t1, 0
-            wall = sum(r[5] for r in self.steps) / 1e3
-        else:
-            wall = t1 - self._t0
+        usage1 = host_usage()
+        n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
+        losses = self.losses(0, n).float().cpu().tolist() if n else []
         rows, spans = [], []
-        losses = torch.stack([r[6] for r in self.steps]).float().cpu().tolist() if self.steps else []
-        for i, (epoch, samples, wait_ms, start, end, step_ms, _) in enumerate(self.steps):
+        for i in range(n):
+            wait_ms, step_ms, start, end = self._host[i].tolist()
             h2d_ms, nbytes = 0.0, 0
             if i < len(self.copies):
                 c0, c1, nbytes = self.copies[i]
                 h2d_ms = c0.elapsed_time(c1)
                 spans.append((self._ref.elapsed_time(c0), self._ref.elapsed_time(c1)))
             if self.cuda:
-                compute_ms = start.elapsed_time(end)
-                busy = (self._ref.elapsed_time(start), self._ref.elapsed_time(end))
+                b, e = self._begin.pool[i], self._end.pool[i]
+                compute_ms, busy = b.elapsed_time(e), (self._ref.elapsed_time(b), self._ref.elapsed_time(e))
             else:
                 compute_ms, busy = (end - start) * 1e3, (start, end)
-            rows.append({"step": i + 1, "epoch": epoch, "samples": samples, "data_wait_ms": wait_ms,
-                         "h2d_ms": h2d_ms, "compute_ms": compute_ms, "step_ms": step_ms, "loss": losses[i],
-                         "_bytes": nbytes, "_busy": busy})
-        return MeterResult(rows=rows, summary=self._summarise(rows[self._timed_from:], wall, spans))
+            rows.append({"step": i + 1, "epoch": int(self._meta[i, 0]), "samples": int(self._meta[i, 1]),
+                         "data_wait_ms": wait_ms, "h2d_ms": h2d_ms, "compute_ms": compute_ms, "step_ms": step_ms,
+                         "loss": losses[i], "_bytes": nbytes, "_busy": busy})
+        if self._t0 is None:  # warm-up covered every step: nothing was timed
+            return MeterResult(rows=rows, summary=self._untimed(rows))
+        timed = rows[self._timed_from:]
+        faults, cpu_s = usage1[0] - self._usage0[0], usage1[1] - self._usage0[1]
+        return MeterResult(rows=rows, summary=self._summarise(timed, t1 - self._t0, spans[self._timed_from:],
+                                                              faults, cpu_s))
 
-    def _summarise(self, timed: List[dict], wall_s: float, spans) -> Dict[str, float]:
+    def _untimed(self, rows: List[dict]) -> Dict[str, float]:
+        return {"timed_steps": 0, "setup_s": self.setup_s, "total_steps": len(rows),
+                "total_samples": sum(r["samples"] for r in rows)}
+
+    def _summarise(self, timed: List[dict], wall_s: float, spans, faults: int, cpu_s: float) -> Dict[str, float]:
         wall_ms = max(wall_s * 1e3, 1e-9)
         samples = sum(r["samples"] for r in timed)
         h2d_ms = sum(r["h2d_ms"] for r in timed)
         nbytes = sum(r["_bytes"] for r in timed)
+        steps = max(len(timed), 1)
         med = lambda k: statistics.median(r[k] for r in timed) if timed else 0.0  # noqa: E731
-        summary = {
+        return {
             "throughput_samples_per_s": samples / (wall_ms / 1e3),
             "data_wait_fraction": sum(r["data_wait_ms"] for r in timed) / wall_ms,
             "gpu_busy_fraction": sum(r["compute_ms"] for r in timed) / wall_ms,
             "h2d_GBps": nbytes / (h2d_ms * 1e6) if h2d_ms > 0 else 0.0,
-            "hidden_h2d_fraction": _overlap(timed, spans[self._timed_from:]) if self.cuda else 0.0,
+            "hidden_h2d_fraction": _overlap(timed, spans) if self.cuda else 0.0,
+            "host_page_faults_per_step": faults / steps,
+            "host_cpu_ms_per_step": cpu_s * 1e3 / steps,
             "timed_wall_s": wall_s,
             "timed_steps": len(timed),
+            "ms_per_step": wall_ms / steps,
             "median_step_ms": med("step_ms"),
             "median_compute_ms": med("compute_ms"),
             "median_h2d_ms": med("h2d_ms"),
             "median_data_wait_ms": med("data_wait_ms"),
             "setup_s": self.setup_s,
-            "total_steps": len(self.steps),
-            "total_samples": sum(r[1] for r in self.steps),
+            "total_steps": self.n,
+            "total_samples": int(self._meta[:self.n, 1].sum()),
             "final_loss": timed[-1]["loss"] if timed else math.nan,
         }
-        return summary
 
 
 def _overlap(timed: List[dict], spans) -> float:

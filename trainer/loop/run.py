@@ -11,7 +11,7 @@ import torch
 
 from datasets import build_dataset
 from models import build_model
-from trainer.loop.engine import train
+from trainer.loop.engine import planned_steps, train
 from trainer.tools.environment import describe
 from trainer.errors import ConfigError
 from trainer.loop.faults import StopSignals, explain_faults
@@ -61,7 +61,9 @@ def run(cfg) -> dict:
             print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
         model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device)
         optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
-        meter = StepMeter(device, cfg.engine.warmup_steps)
+        planned = planned_steps(cfg.engine, loader)
+        warn_untimed(planned, cfg.engine.warmup_steps)
+        meter = StepMeter(device, cfg.engine.warmup_steps, capacity=planned)
         meter.setup_s = loader.setup_s
         loader.copy_probe = meter
         checksum = Checksum(device) if cfg.engine.verify else None
@@ -87,6 +89,14 @@ def run(cfg) -> dict:
             if trace is not None:
                 tracker.log_artifact(trace)
     return summary
+
+
+def warn_untimed(planned: int, warmup: int) -> None:
+    """A run whose warm-up covers all of its steps times nothing: say so (it records timed_steps=0)."""
+    if planned <= warmup:
+        print(f"warning: engine.warmup_steps={warmup} covers all {planned} steps of this run, so none is timed "
+              f"(timed_steps=0): set engine.max_steps above {warmup} or engine.warmup_steps below {planned}",
+              file=sys.stderr)
 
 
 def gpu_memory_baseline(device: torch.device) -> int:

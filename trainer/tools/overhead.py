@@ -1,82 +1,126 @@
-"""How much the engine's bookkeeping costs: the engine loop versus a bare loop doing the same work.
+"""What the engine costs: `python -m trainer` against a plain loop over the same loader.
 
-    python -m trainer.overhead [--steps 2000] [--repeats 5] [hydra overrides...]
+    python -m trainer.overhead [--repeats 3] [--loaders baseline,prefetch] [--graph eager|graphed|both]
+                               [--markdown FILE] [hydra overrides...]
 
-Runs the same steps over the same loader (default: a small MLP on 28x28 synthetic data on the
-CPU, where per-step overhead shows most) alternately through `trainer.loop.engine.train` (meter,
-copy probe, loss watch, progress bar) and through a bare `for x, y in loader: step(x, y)` loop,
-and prints the median wall time per step of each and the difference.
+For every strategy (and eager and/or CUDA-graphed step) it runs, alternately and `--repeats`
+times each, two fresh processes on the same composed config:
+
+- the CLI path, exactly as a user runs it: `python -m trainer <overrides>` (recorded in a
+  throw-away MLflow store), read back as its `ms_per_step` over the timed steps;
+- `python -m trainer.tools.plain_loop <overrides>`: `for x, y in loader: step(x, y)` in a plain
+  script, timed over the same steps the same way (a device sync at both ends of the timed region).
+
+It prints each pair's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per variant,
+the medians, with the host's minor page faults and CPU time per step on each side. Alternating
+the two makes drift in the machine's speed hit both alike. Any override works
+(`model=noop`, `engine.device=cpu`, `experiment=bench_seed0` for seed 000's workload).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
-import time
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Sequence
 
-import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
+from mlflow.tracking import MlflowClient
 
-from datasets import build_dataset
-from models import build_model
 from trainer.config import PROJECT_ROOT
-from trainer.loop.engine import train
-from trainer.loaders import build_loader
-from trainer.loop.meter import StepMeter
-from trainer.loop.steps import build_optimizer, make_step
 
-DEFAULTS = ["model=mlp", "model.hidden=128", "dataset.shape=[28,28]", "dataset.num_samples=4096",
-            "loader.batch_size=64", "engine.device=cpu", "engine.progress=false", "engine.warmup_steps=0"]
+GRAPH = {"eager": ["false"], "graphed": ["true"], "both": ["false", "true"]}
+QUICK = ["engine.progress=false"]
 
 
-def bare_loop(step_fn, loader, steps: int) -> None:
-    """The same work with no bookkeeping at all."""
-    done = 0
-    while done < steps:
-        for x, y in loader:
-            step_fn(x, y)
-            done += 1
-            if done == steps:
-                return
-
-
-def measure(cfg, steps: int, repeats: int) -> dict:
-    device = torch.device(cfg.engine.device if cfg.engine.device != "auto" else "cpu")
-    dataset = build_dataset(cfg.dataset)
-    model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device)
-    step_fn = make_step(model, build_optimizer(cfg.engine.optimizer, model), graphed=False)
-    engine = OmegaConf.merge(cfg.engine, {"epochs": 10**6, "max_steps": steps})
-    times = {"engine": [], "bare": []}
-    for _ in range(repeats):
-        for name in times:  # alternate, so drift in machine speed hits both alike
-            loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
-            start = time.perf_counter()
-            if name == "engine":
-                meter = StepMeter(device, 0)
-                loader.copy_probe = meter
-                train(step_fn, loader, meter, engine)
-                meter.finish()  # reading the events is part of the meter's cost
-            else:
-                bare_loop(step_fn, loader, steps)
-            times[name].append((time.perf_counter() - start) * 1e3 / steps)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    med["overhead_pct"] = 100 * (med["engine"] / med["bare"] - 1)
-    return med
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=autoencoder")
-    args = p.parse_args()
-    import trainer.config  # noqa: F401
+def compose_config(overrides: Sequence[str]):
+    """The config `python -m trainer <overrides>` would run."""
+    import trainer.config  # noqa: F401  (registers the schemas)
     with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config", overrides=DEFAULTS + args.overrides)
-    r = measure(cfg, args.steps, args.repeats)
-    print(f"engine loop {r['engine']:.4f} ms/step\nbare loop   {r['bare']:.4f} ms/step\n"
-          f"overhead    {r['overhead_pct']:+.2f} %")
+        return compose("config", overrides=list(overrides))
+
+
+def _run(cmd: List[str], cwd: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    if proc.returncode != 0:
+        raise SystemExit(f"error: {' '.join(cmd[2:])} failed:\n{proc.stderr[-2000:]}")
+    return proc
+
+
+def engine_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
+    """One `python -m trainer` run; its summary read back from MLflow."""
+    uri = f"sqlite:///{tmp / 'overhead.db'}"
+    _run([sys.executable, "-m", "trainer", *overrides, f"tracking.uri={uri}", "tracking.experiment=overhead",
+          f"hydra.run.dir={tmp / 'hydra'}"], tmp)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("overhead")
+    (latest,) = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
+    return latest.data.metrics
+
+
+def plain_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
+    proc = _run([sys.executable, "-m", "trainer.tools.plain_loop", *overrides], tmp)
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[str, float]:
+    """`repeats` alternating engine/plain pairs for one variant; medians and per-pair ratios."""
+    engine, plain = [], []
+    for r in range(repeats):
+        engine.append(engine_run(overrides, tmp))
+        plain.append(plain_run(overrides, tmp))
+        e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
+        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f}")
+    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
+    ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
+    return {"engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "engine_spread": max(x["ms_per_step"] for x in engine) / min(x["ms_per_step"] for x in engine),
+            "engine_faults": med(engine, "host_page_faults_per_step"),
+            "plain_faults": med(plain, "plain_host_page_faults_per_step"),
+            "engine_cpu_ms": med(engine, "host_cpu_ms_per_step"),
+            "plain_cpu_ms": med(plain, "plain_host_cpu_ms_per_step")}
+
+
+def table(rows: List[dict]) -> str:
+    head = ("| loader | CUDA graph | engine ms/step | plain loop ms/step | engine ÷ plain (min–max) "
+            "| engine max/min | page faults/step engine / plain | host CPU ms/step engine / plain |\n"
+            "|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = [f"| `{r['loader']}` | {'yes' if r['graph'] == 'true' else 'no'} | {r['engine_ms']:.3f} | {r['plain_ms']:.3f} "
+             f"| {r['ratio']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {r['engine_spread']:.2f} "
+             f"| {r['engine_faults']:.0f} / {r['plain_faults']:.0f} | {r['engine_cpu_ms']:.2f} / {r['plain_cpu_ms']:.2f} |"
+             for r in rows]
+    return "\n".join([head, *lines])
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3, help="engine/plain pairs per variant")
+    p.add_argument("--loaders", default="", help="comma-separated strategies (default: the composed one)")
+    p.add_argument("--graph", choices=sorted(GRAPH), default="eager", help="time the eager step, the graphed one, or both")
+    p.add_argument("--markdown", help="also write the table to this file")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=noop engine.device=cpu")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats must be >= 1 (got {args.repeats}): use --repeats 3")
+    base = QUICK + args.overrides
+    cfg = compose_config(base)  # fail here, once, on a bad override
+    loaders = [s for s in args.loaders.split(",") if s] or [cfg.loader.name]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="feedbench-overhead-") as tmp:
+        for loader in loaders:
+            for graph in GRAPH[args.graph]:
+                overrides = [*base, f"loader={loader}", f"engine.cuda_graph={graph}"]
+                print(f"loader={loader} engine.cuda_graph={graph}", flush=True)
+                rows.append({"loader": loader, "graph": graph, **measure(overrides, args.repeats, Path(tmp))})
+    print(table(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(table(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,14 @@ from mlflow.tracking import MlflowClient
 from trainer.errors import ConfigError
 from trainer.tracking.store import default_uri
 
-METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "gpu_busy_fraction", "data_wait_fraction", "h2d_GBps")
-FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "gpu_busy_fraction": "{:.3f}",
-           "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}"}
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "gpu_busy_fraction", "data_wait_fraction",
+           "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
+# Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
+PLAIN = ("plain_ms_per_step", "engine_vs_plain")
+FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
+           "gpu_busy_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
+           "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
+           "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}"}
 BASELINE = "baseline"
 STRATEGY = "loader.name"
 
@@ -114,7 +119,7 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
         row: Dict[str, object] = {"job": r.data.tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
         row.update({column(k): r.data.params.get(k, "") for k in keys})
         row["status"] = r.info.status
-        for m in METRICS:
+        for m in METRICS + PLAIN:
             row[m] = r.data.metrics.get(m) if done else None
         row["run_id"] = r.info.run_id
         rows.append(row)
@@ -130,8 +135,12 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
     return [column(k) for k in keys], rows
 
 
-def header(keys: Sequence[str]) -> List[str]:
-    return ["job", *keys, "status", *METRICS, "run_name", "run_id"]
+def metric_columns(rows: Sequence[dict]) -> List[str]:
+    return [*METRICS, *(m for m in PLAIN if any(row.get(m) is not None for row in rows))]
+
+
+def header(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
+    return ["job", *keys, "status", *metric_columns(rows), "run_name", "run_id"]
 
 
 def _cell(key: str, value, exact: bool) -> str:
@@ -144,10 +153,10 @@ def _cell(key: str, value, exact: bool) -> str:
 
 def format_table(keys: Sequence[str], rows: Sequence[dict]) -> str:
     """An aligned plain-text table: text left, numbers right."""
-    cols = header(keys)[:-2]  # run name and id: in the CSV
+    cols = header(keys, rows)[:-2]  # run name and id: in the CSV
     cells = [[_cell(c, row.get(c), exact=False) for c in cols] for row in rows]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
-    numeric = [c in METRICS for c in cols]
+    numeric = [c in FORMATS for c in cols]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
@@ -158,16 +167,17 @@ def to_csv(keys: Sequence[str], rows: Sequence[dict]) -> str:
     """Every value at full precision (`repr` of the logged float)."""
     out = io.StringIO()
     w = csv.writer(out, lineterminator="\n")
-    w.writerow(header(keys))
+    cols = header(keys, rows)
+    w.writerow(cols)
     for row in rows:
-        w.writerow([_cell(c, row.get(c), exact=True) for c in header(keys)])
+        w.writerow([_cell(c, row.get(c), exact=True) for c in cols])
     return out.getvalue()
 
 
 def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
-    cols = header(keys)[:-2]
+    cols = header(keys, rows)[:-2]
     lines = ["| " + " | ".join(cols) + " |",
-             "|" + "|".join("---:" if c in METRICS else "---" for c in cols) + "|"]
+             "|" + "|".join("---:" if c in FORMATS else "---" for c in cols) + "|"]
     lines += ["| " + " | ".join(_cell(c, row.get(c), exact=False) for c in cols) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
@@ -186,6 +196,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="parent run id of the sweep, or one of its children (default: the latest sweep)")
     p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
     p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
+    p.add_argument("--plain", action="store_true",
+                   help="first run a plain loop for each finished job (same config, fresh process) and log "
+                        "plain_ms_per_step and engine_vs_plain on it: the reference for the engine's figures")
     args = p.parse_args(argv)
     try:
         client, uri = open_store(args.uri)
@@ -193,6 +206,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.plain:
+        from trainer.tools.plain_loop import annotate  # runs the loaders: only loaded when asked for
+        annotate(client, children(client, parent), log=lambda line: print(line, file=sys.stderr))
     keys, rows = compare(client, parent)
     print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
     print(format_table(keys, rows) if rows else "(no child runs)")

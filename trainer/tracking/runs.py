@@ -25,9 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.errors import ConfigError
 from trainer.loop.meter import STEP_COLUMNS
 from trainer.tracking import plots
-from trainer.tracking.store import OUTPUTS, default_uri, experiment_id, flatten
-
-PER_STEP_METRICS = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
+from trainer.tracking.store import OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten
 
 
 def system_metrics(tracking) -> Optional[bool]:
