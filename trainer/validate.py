@@ -30,6 +30,8 @@ def validate(cfg) -> None:
         at_least("loader.prefetch_factor", loader.prefetch_factor, 1, 2)
     if "depth" in loader:
         at_least("loader.depth", loader.depth, 1, 1)
+    if "threads" in loader:
+        at_least("loader.threads", loader.threads, 1, 4)
     # epochs=0 would run nothing whatever max_steps says: the loop runs epochs, capped by max_steps.
     at_least("engine.epochs", engine.epochs, 1, "1 (engine.max_steps caps the steps)")
     at_least("engine.max_steps", engine.max_steps, 0, "0 (no cap)")
