@@ -22,7 +22,8 @@ def test_unknown_group_option_lists_the_options(tmp_path, tracking_uri):
     proc = run_cli(tmp_path, tracking_uri, *TINY, "loader=prefech")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "Could not find 'loader/prefech'" in proc.stderr
-    assert all(f"\t{name}\n" in proc.stderr for name in ("baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident"))
+    assert all(f"\t{name}\n" in proc.stderr for name in ("baseline", "pinned", "prefetch", "pinned_chunk", "pinned_gather",
+                                                               "gpu_resident"))
     assert all_runs(tracking_uri) == []
 
 
