@@ -170,12 +170,14 @@ def test_ctrl_c_stops_the_gather_threads_mid_gather(tiny_cfg, tracking_uri, runs
         time.sleep(0.01)  # each gather takes a while, so the signal finds threads in the middle of one
         return gather(self, *args)
     monkeypatch.setattr(PinnedGatherLoader, "_gather", slow_gather)
+    gather_threads = lambda: {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}  # noqa: E731
+    before = gather_threads()  # any of a loader another test left to the garbage collector
     cfg = tiny_cfg(*[o for o in LONG if o not in TINY], "loader=pinned_gather", "loader.threads=4", "model.busy_ms=2")
     signal_when_running(tracking_uri, signal.SIGINT)
     with pytest.raises(Interrupted) as stop:
         run(cfg)
     assert stop.value.exit_code == 130
-    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+    assert not gather_threads() - before
     (r,) = runs()
     assert assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGINT") > 10
 

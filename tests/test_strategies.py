@@ -86,8 +86,8 @@ def test_pinned_chunk_loads_chunks_in_the_background_and_keeps_its_buffers(tiny_
 def test_drop_last_drops_the_partial_batch(tiny_cfg):
     for s in STRATEGIES:
         cfg = tiny_cfg(f"loader={s}", "loader.batch_size=40", "loader.drop_last=true", "loader.shuffle=false")
-        loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
-        sizes = [len(x) for x, _ in loader]
+        with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu")) as loader:
+            sizes = [len(x) for x, _ in loader]
         assert sizes == [40, 40] and len(loader) == 2, s
 
 
@@ -98,8 +98,14 @@ def test_pinned_chunk_rejects_chunks_smaller_than_a_batch(tiny_cfg):
 
 
 # -- pinned_gather: per-sample shuffling from a ring of reused slots ----------------------------------
-def _gather_threads():
-    return [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+@pytest.fixture
+def gather_threads():
+    """`gather_threads()`: the live pinned_gather threads started during this test (a loader an
+    earlier test left unclosed stops its threads only when it is garbage-collected)."""
+    def live():
+        return {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
+    before = live()
+    return lambda: live() - before
 
 
 def _pair(tiny_cfg, *overrides, threads=4):
@@ -111,7 +117,7 @@ def _pair(tiny_cfg, *overrides, threads=4):
     return made
 
 
-def test_pinned_gather_shuffled_checksum_equals_baselines(tiny_cfg, runs):
+def test_pinned_gather_shuffled_checksum_equals_baselines(tiny_cfg, runs, gather_threads):
     """2 epochs, shuffled, 4 threads, data in 3 chunks, batches of 20 (a partial last one)."""
     for s in ("baseline", "pinned_gather"):
         checksums(tiny_cfg, s, "loader.threads=4" if s == "pinned_gather" else "loader.shuffle=true", "dataset.chunks=3",
@@ -119,7 +125,7 @@ def test_pinned_gather_shuffled_checksum_equals_baselines(tiny_cfg, runs):
     found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["epoch_checksums"],
                                        r.data.tags["verified_batches"]) for r in runs()}
     assert found["pinned_gather"] == found["baseline"] and found["baseline"][2] == "10", found
-    assert not _gather_threads()  # stopped when the run closed its loader
+    assert not gather_threads()  # stopped when the run closed its loader
 
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8", "bfloat16"])
@@ -140,7 +146,7 @@ def test_pinned_gather_yields_baselines_batches_every_epoch(tiny_cfg, dtype, shu
         assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
 
 
-def test_pinned_gather_reuses_its_slots_and_hands_out_copies(tiny_cfg):
+def test_pinned_gather_reuses_its_slots_and_hands_out_copies(tiny_cfg, gather_threads):
     cfg = tiny_cfg("loader=pinned_gather", "loader.threads=2", "loader.depth=1", "loader.batch_size=8")
     ds = build_dataset(cfg.dataset)
     loader = build_loader(cfg.loader, ds, torch.device("cpu"), seed=1)
@@ -159,17 +165,19 @@ def test_pinned_gather_reuses_its_slots_and_hands_out_copies(tiny_cfg):
             yield (x, y), slot
     loader._host_batches = recorded
     with loader:
-        for _ in range(3):
+        for epoch in range(3):
             for x, _ in loader:
                 seen.append(x)
                 assert not (lo <= x.data_ptr() < hi)  # a copy, not a view of a slot that will be refilled
-            assert 1 <= len(_gather_threads()) <= 2  # started on demand, up to loader.threads
+            assert 1 <= len(gather_threads()) <= 2  # started on demand, up to loader.threads
+            # the next epoch's first batches are already being gathered when this one ends
+            assert [p[:2] for p in loader.pending] == [(epoch + 1, i) for i in range(ring)]
         assert len(seen) == 3 * 12 > ring
         assert len(host_ptrs) == ring and all(lo <= p < hi for p in host_ptrs)  # 36 batches through 4 slots
         assert loader.slots_x is slots and slots.data_ptr() == lo  # allocated once
     order = torch.cat([epoch_order(len(ds), True, 1, e) for e in range(3)])
     assert torch.equal(torch.cat(seen), data[order])  # nothing overwritten after it was handed out
-    assert not _gather_threads()
+    assert not gather_threads()
 
 
 def test_pinned_gather_after_an_abandoned_pass_serves_the_next_epoch(tiny_cfg):
@@ -183,18 +191,18 @@ def test_pinned_gather_after_an_abandoned_pass_serves_the_next_epoch(tiny_cfg):
             assert torch.equal(xg, xe) and torch.equal(yg, ye)
 
 
-def test_pinned_gather_threads_stop_when_the_consumer_fails(tiny_cfg):
+def test_pinned_gather_threads_stop_when_the_consumer_fails(tiny_cfg, gather_threads):
     _, gather = _pair(tiny_cfg, "loader.batch_size=8", threads=3)
     with pytest.raises(ZeroDivisionError):
         with gather:
             for i, _ in enumerate(gather):
-                assert 1 <= len(_gather_threads()) <= 3
+                assert 1 <= len(gather_threads()) <= 3
                 if i == 2:
                     raise ZeroDivisionError
-    assert not _gather_threads()
+    assert not gather_threads()
 
 
-def test_pinned_gather_failed_gather_fails_the_run_in_one_line(tiny_cfg, runs, monkeypatch):
+def test_pinned_gather_failed_gather_fails_the_run_in_one_line(tiny_cfg, runs, monkeypatch, gather_threads):
     gather, calls = PinnedGatherLoader._gather, []
 
     def fails_on_the_fifth(self, *args):
@@ -208,7 +216,7 @@ def test_pinned_gather_failed_gather_fails_the_run_in_one_line(tiny_cfg, runs, m
     (r,) = runs()
     assert r.info.status == "FAILED" and "injected read error" in r.data.tags["error"]
     assert r.data.metrics["total_steps"] == 4  # the batches before the failed one were trained on
-    assert not _gather_threads()
+    assert not gather_threads()
 
 
 @pytest.mark.parametrize("key", ["threads", "depth"])

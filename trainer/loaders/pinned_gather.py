@@ -6,7 +6,9 @@ same, in the same order. `loader.threads` worker threads gather the rows of the 
 straight into a ring of page-locked slots allocated once; each filled slot is copied on the
 side stream (`SideStreamCopier`, as `prefetch`), and a slot is gathered into again only after
 the event of the copy that read it has completed. The loop's thread only hands out indices and
-issues copies, so the gathers run in parallel with the step and with the copies of other slots.
+issues copies, so the gathers run in parallel with the step and with the copies of other slots,
+and across the end of an epoch: the next epoch's first batches are gathered (its order is known
+in advance) while the last ones of this epoch are copied.
 
 The ring holds `loader.depth + loader.threads + 1` slots: `depth` batches being copied ahead,
 one the step is about to use, and one per thread to gather into meanwhile.
@@ -17,7 +19,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
-from typing import Iterator, Optional
+from typing import Deque, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -59,6 +61,9 @@ class PinnedGatherLoader(DeviceLoader):
         self._dst_x = [_row_bytes(s) for s in self.slots_x]
         self._dst_y = [s.numpy() for s in self.slots_y]
         self.last_copy = [None] * self.num_slots  # event of the latest copy reading each slot (CUDA)
+        self.pending: Deque = deque()  # (epoch, batch, slot, future) of the queued gathers, in order
+        self.upcoming: Iterator = iter(())  # the batches to queue next (`_schedule`)
+        self.queued = 0  # gathers queued so far: the next one fills slot `queued % num_slots`
         self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)  # one stream per loader
         # Threads start with the first batch and live until close(); on CUDA they wait on copy
         # events, so they use the loader's device.
@@ -66,7 +71,8 @@ class PinnedGatherLoader(DeviceLoader):
         if self.on_cuda:
             index = self.device.index if self.device.index is not None else torch.cuda.current_device()
             on_device = {"initializer": torch.cuda.set_device, "initargs": (index,)}
-        self.pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(cfg.threads, thread_name_prefix=THREAD_PREFIX, **on_device)
+        self.pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(
+            max_workers=cfg.threads, thread_name_prefix=THREAD_PREFIX, **on_device)
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
 
@@ -85,42 +91,65 @@ class PinnedGatherLoader(DeviceLoader):
         np.take(self._src_y, rows, axis=0, out=self._dst_y[slot][:m], mode="clip")
         return m
 
+    def _schedule(self, epoch: int) -> Iterator[Tuple[int, int, np.ndarray]]:
+        """`(epoch, batch, rows)` of every batch from `epoch` on, epoch after epoch."""
+        b, count = self.cfg.batch_size, len(self)
+        while count:
+            order = epoch_order(len(self.x), self.cfg.shuffle, self.seed, epoch).numpy()
+            for i in range(count):
+                yield epoch, i, order[i * b:(i + 1) * b]
+            epoch += 1
+
+    def _queue_gathers(self) -> None:
+        """Queue gathers until every slot but the one handed out last is taken (called only once
+        that one has been consumed: its copy issued, or on the CPU its clone made)."""
+        while len(self.pending) < self.num_slots:
+            batch = next(self.upcoming, None)
+            if batch is None:  # an empty epoch (drop_last, fewer samples than a batch)
+                return
+            epoch, i, rows = batch
+            slot = self.queued % self.num_slots
+            self.queued += 1
+            future = self.pool.submit(self._gather, slot, rows, self.last_copy[slot])
+            self.pending.append((epoch, i, slot, future))
+
+    def _drop_gathers(self) -> None:
+        """Cancel the queued gathers and wait for those already running: no slot is written after this."""
+        for *_, future in self.pending:
+            future.cancel()
+        wait([future for *_, future in self.pending])
+        self.pending.clear()
+
     def _host_batches(self, epoch: int) -> Iterator:
         """Yield `((x, y), slot)`: views of the filled slots, in `epoch_order`.
 
-        When this generator is resumed for batch i, batch i-1 has been consumed: its copy is
-        issued (on CUDA, its event is in `last_copy`) or, on the CPU, it has been cloned. So its
-        slot may be refilled, once that event completes; the gather of batch i-1+R is queued now.
+        The gathers run ahead of the loop by up to one ring of slots, across the end of the epoch:
+        the first batches of the next epoch are gathered while the last ones of this epoch are
+        copied, so a new epoch starts without waiting for a gather.
         """
         if self.pool is None:
             raise RuntimeError("loader=pinned_gather is closed: build a new one to iterate again")
-        b, count, ring = self.cfg.batch_size, len(self), self.num_slots
-        order = epoch_order(len(self.x), self.cfg.shuffle, self.seed, epoch).numpy()
-        pending = deque()  # futures of the queued gathers, in batch order
-        queued, finished = 0, False
+        if not (self.pending and self.pending[0][:2] == (epoch, 0)):  # not gathered ahead: first or abandoned pass
+            self._drop_gathers()
+            self.upcoming = self._schedule(epoch)
+        finished = False
         try:
-            for i in range(count):
+            for i in range(len(self)):
                 if self.pool is None:
                     raise RuntimeError("loader=pinned_gather was closed during a pass")
-                while queued < min(i + ring, count):
-                    slot = queued % ring
-                    pending.append(self.pool.submit(self._gather, slot, order[queued * b:(queued + 1) * b],
-                                                    self.last_copy[slot]))
-                    queued += 1
-                m = _result(pending[0])  # popped only once done: an interrupt here leaves it to the cleanup
-                pending.popleft()
-                slot = i % ring
+                self._queue_gathers()  # the batch handed out before this one has been consumed
+                m = _result(self.pending[0][3])  # left in `pending` until done: an interrupt here still waits for it
+                _, _, slot, _ = self.pending.popleft()
                 yield (self.slots_x[slot][:m], self.slots_y[slot][:m]), slot
+            self._queue_gathers()  # the last batch is consumed: start on the next epoch's
             finished = True
         finally:
-            # The pass ended, was abandoned or failed: no gather may still write a slot after this.
-            for f in pending:
-                f.cancel()
-            wait(pending)
-            if not finished and self.copier.stream is not None:
-                # A copy issued just before an interrupt may not have reported its event: wait for
-                # every copy on the side stream, so no slot is refilled while the DMA reads it.
-                self.copier.stream.synchronize()
+            if not finished:  # abandoned or failed: no gather may write a slot after this
+                self._drop_gathers()
+                if self.copier.stream is not None:
+                    # A copy issued just before an interrupt may not have reported its event: wait
+                    # for every copy on the side stream, so no slot is refilled while the DMA reads it.
+                    self.copier.stream.synchronize()
 
     def _copied(self, slot: int, event) -> None:
         self.last_copy[slot] = event
@@ -143,6 +172,7 @@ class PinnedGatherLoader(DeviceLoader):
         if self.pool is not None:
             self.pool.shutdown(wait=True, cancel_futures=True)  # the threads have exited on return
             self.pool = None
+        self.pending.clear()
         self.x = self.y = self.slots_x = self.slots_y = None
         self._src_x = self._src_y = None
         self._dst_x, self._dst_y, self.last_copy = [], [], []
