@@ -8,4 +8,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p outputs
 python -m trainer.overhead --repeats 3 --graph both --markdown outputs/overhead.md \
-  --loaders baseline,pinned,prefetch,pinned_chunk,gpu_resident "$@" experiment=bench_seed0 engine.device=cuda
+  --loaders baseline,pinned,prefetch,pinned_chunk,pinned_gather,gpu_resident "$@" experiment=bench_seed0 engine.device=cuda

@@ -35,13 +35,17 @@ COMMON = ["dataset=mnist", "model=mlp", "model.hidden=512", "loader.batch_size=6
 
 def cases(workers: int) -> List[Tuple[str, List[str]]]:
     """(label, overrides): seed 003's two DataLoader settings, the two halves of the change between
-    them (workers alone, pinning alone), and the tensor path, eager and CUDA-graphed."""
+    them (workers alone, pinning alone), and the tensor path from host memory and from GPU memory,
+    eager and CUDA-graphed."""
     return [
         ("per-sample, 0 workers (seed 003 setting 1)", ["loader=baseline", "loader.num_workers=0"]),
         (f"per-sample, {workers} workers", ["loader=baseline", f"loader.num_workers={workers}"]),
         ("per-sample, 0 workers, pin_memory + non_blocking", ["loader=pinned", "loader.num_workers=0"]),
         (f"per-sample, {workers} workers, pin_memory + non_blocking (seed 003 setting 2)",
          ["loader=pinned", f"loader.num_workers={workers}"]),
+        ("uint8 tensor in host memory, gathered into pinned slots (pinned_gather)", ["loader=pinned_gather"]),
+        ("uint8 tensor in host memory, gathered into pinned slots (pinned_gather) + cuda_graph",
+         ["loader=pinned_gather", "engine.cuda_graph=true"]),
         ("uint8 tensor on the GPU (gpu_resident)", ["loader=gpu_resident"]),
         ("uint8 tensor on the GPU (gpu_resident) + cuda_graph", ["loader=gpu_resident", "engine.cuda_graph=true"]),
     ]

@@ -305,7 +305,7 @@ def test_failed_download_fails_fast_with_one_line(tmp_path, monkeypatch, name):
     assert "rerun with internet access" in message and "dataset.download=false" in message
 
 
-@pytest.mark.parametrize("strategy", ["baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident"])
+@pytest.mark.parametrize("strategy", ["baseline", "pinned", "prefetch", "pinned_chunk", "pinned_gather", "gpu_resident"])
 def test_every_loader_feeds_the_same_normalised_images(mnist_root, strategy):
     """DataLoader strategies take the per-sample path, the others the tensor path: same values."""
     from trainer.loaders import build_loader

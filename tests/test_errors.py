@@ -22,7 +22,8 @@ def test_unknown_group_option_lists_the_options(tmp_path, tracking_uri):
     proc = run_cli(tmp_path, tracking_uri, *TINY, "loader=prefech")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "Could not find 'loader/prefech'" in proc.stderr
-    assert all(f"\t{name}\n" in proc.stderr for name in ("baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident"))
+    assert all(f"\t{name}\n" in proc.stderr for name in ("baseline", "pinned", "prefetch", "pinned_chunk", "pinned_gather",
+                                                               "gpu_resident"))
     assert all_runs(tracking_uri) == []
 
 
@@ -42,6 +43,7 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time(tmp_path, tracking_uri,
     pytest.param(["loader.batch_size=0"], r"loader\.batch_size must be >= 1 \(got 0\): set loader\.batch_size=64$", id="loader.batch_size=0"),
     pytest.param(["loader.num_workers=-1"], r"loader\.num_workers must be >= 0 \(got -1\): set loader\.num_workers=0$", id="loader.num_workers=-1"),
     pytest.param(["loader=prefetch", "loader.depth=0"], r"loader\.depth must be >= 1 \(got 0\): set loader\.depth=1$", id="loader=prefetch loader.depth=0"),
+    pytest.param(["loader=pinned_gather", "loader.threads=0"], r"loader\.threads must be >= 1 \(got 0\): set loader\.threads=4$", id="loader=pinned_gather loader.threads=0"),
     pytest.param(["engine.epochs=0", "engine.max_steps=0"], r"engine\.epochs must be >= 1 \(got 0\): set engine\.epochs=1", id="engine.epochs=0 engine.max_steps=0"),
     pytest.param(["dataset.shape=[0,28]"], r"dataset\.shape must be .*>= 1 \(got \[0, 28\]\): set dataset\.shape=", id="dataset.shape=[0,28]"),
     pytest.param(["model.busy_ms=-5"], r"model\.busy_ms must be >= 0 \(got -5\.0\): set model\.busy_ms=0$", id="model.busy_ms=-5"),
@@ -85,9 +87,12 @@ def test_batch_larger_than_the_dataset(tmp_path, tracking_uri):
     assert found.group(1) == r.info.run_id and "loader.batch_size must be <= 96" in r.data.tags["error"]
 
 
-@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "baseline"], argvalues=[
+@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "pinned_gather", "baseline"], argvalues=[
     ("pinned_chunk", r"loader=pinned_chunk \(1 page-locked buffer.*\) needs ([\d.]+) GiB of host memory but only "
                      r"([\d.]+) GiB is available: set dataset\.chunk_samples=\d+"),
+    ("pinned_gather", r"loader=pinned_gather \(the whole dataset in host memory and 6 page-locked batch slots.*\) needs "
+                      r"([\d.]+) GiB of host memory but only ([\d.]+) GiB is available: set a smaller dataset\.num_samples, "
+                      r"or use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
     ("baseline", r"loader=baseline \(the whole dataset in host memory\) needs ([\d.]+) GiB of host memory but only "
                  r"([\d.]+) GiB is available: use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
 ])

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from mlflow.tracking import MlflowClient
 from datasets import build_dataset
 from trainer.config import SCHEMAS
 from trainer.loaders import build_loader
+from trainer.loaders.pinned_gather import THREAD_PREFIX
 from trainer.loop.run import run
 from trainer.loop.verify import Checksum
 
@@ -39,7 +42,7 @@ def test_cuda_path_times_copy_and_compute(strategy, tiny_cfg, runs):
         assert summary["h2d_peak_pinned_GBps"] > 0
     else:
         assert summary["median_h2d_ms"] == 0 and summary["setup_s"] > 0
-    if strategy == "pinned_chunk":
+    if strategy in ("pinned_chunk", "pinned_gather"):
         assert summary["pinned_host_mb"] > 0 and summary["setup_s"] > 0
 
 
@@ -84,7 +87,25 @@ def _batch_hashes(loader, epochs, consumer_jitter: bool, rng):
     return torch.stack(out).cpu() if loader.device.type == "cuda" else torch.stack(out)
 
 
-@pytest.mark.parametrize("strategy", ["pinned", "prefetch", "pinned_chunk"])
+def _jitter_gathers_and_copies(loader, rng):
+    """pinned_gather: some gathers start late (worker threads) and some copies read their slot
+    late (device time queued on the side stream first), so a slot refilled before the copy that
+    reads it completed would change what reaches the device."""
+    gather, copy = loader._gather, loader._copy
+
+    def late_gather(*args):
+        if rng.random() < 0.05:
+            time.sleep(rng.random() * 2e-4)
+        return gather(*args)
+
+    def late_copy(batch, non_blocking):
+        if rng.random() < 0.2:
+            torch.cuda._sleep(int(rng.random() * 1_000_000))  # on the copier's stream: delays this copy
+        return copy(batch, non_blocking)
+    loader._gather, loader._copy = late_gather, late_copy
+
+
+@pytest.mark.parametrize("strategy", ["pinned", "prefetch", "pinned_chunk", "pinned_gather"])
 def test_stress_random_delays_10k_batches_no_mismatch(strategy, tiny_cfg):
     cfg = tiny_cfg(f"loader={strategy}", "dataset.num_samples=2000", "dataset.shape=[32,32]", "dataset.chunks=4",
                    "loader.batch_size=16", "loader.depth=3" if strategy != "pinned" else "loader.shuffle=true")
@@ -101,6 +122,8 @@ def test_stress_random_delays_10k_batches_no_mismatch(strategy, tiny_cfg):
                 return load_chunk(i, out)
             ds.load_chunk = slow_load
         loader = build_loader(cfg.loader, ds, torch.device(device), seed=3)
+        if device == "cuda" and strategy == "pinned_gather":
+            _jitter_gathers_and_copies(loader, rng)
         results[device] = _batch_hashes(loader, epochs=80, consumer_jitter=device == "cuda", rng=rng)
         loader.close()
     assert len(results["cuda"]) >= 10_000
@@ -134,6 +157,45 @@ def test_graphed_step_trains_like_the_eager_one(tiny_cfg):
     eager = run(gpu(tiny_cfg, *common))
     graphed = run(gpu(tiny_cfg, *common, "engine.cuda_graph=true"))
     assert graphed["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+
+
+def test_pinned_gather_graphed_matches_baseline_and_trains_like_eager(tiny_cfg, runs):
+    """Shuffled, batches of 60 over 512 samples: the partial last batch (32) runs outside the graph."""
+    common = ("loader.batch_size=60", "engine.epochs=3", "engine.verify=true", "model.hidden=32")
+    run(gpu(tiny_cfg, "loader=baseline", *common))
+    eager = run(gpu(tiny_cfg, "loader=pinned_gather", *common))
+    graphed = run(gpu(tiny_cfg, "loader=pinned_gather", *common, "engine.cuda_graph=true"))
+    assert graphed["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    assert graphed["total_steps"] == eager["total_steps"] == 3 * 9
+    found = [(r.data.tags["strategy"], r.data.tags["cuda_graph"], r.data.tags["data_checksum"]) for r in runs()]
+    assert len({checksum for _, _, checksum in found}) == 1, found  # byte-identical batches, same order
+
+
+def test_pinned_gather_returns_its_pinned_memory_and_threads_on_close(tiny_cfg):
+    def held_pinned() -> int:
+        gc.collect()
+        torch.cuda.synchronize()
+        getattr(torch._C, "_host_emptyCache", lambda: None)()  # check the copies' events now
+        stats = getattr(torch.cuda, "host_memory_stats", dict)()
+        if "allocated_bytes.current" not in stats:
+            pytest.skip("this torch reports no pinned-memory statistics")
+        return stats["allocated_bytes.current"]
+
+    torch.empty(1, device="cuda")
+    before = held_pinned()
+    cfg = gpu(tiny_cfg, "loader=pinned_gather", "dataset.chunks=2", "loader.threads=3")
+    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
+    assert held_pinned() - before >= loader.pinned_bytes > 0
+    for x, _ in loader:
+        x.sum()
+    for i, (x, _) in enumerate(loader):  # a pass abandoned with copies and gathers in flight
+        if i == 3:
+            break
+    assert [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+    loader.close()
+    del loader, x
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
+    assert held_pinned() == before
 
 
 def test_profile_trace_shows_side_stream_copies(tiny_cfg, runs, tracking_uri):

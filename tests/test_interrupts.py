@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from clirun import LONG, TINY, all_runs, children_of, command, error_line, steps_csv, wait_for_running
 from trainer.errors import Interrupted
+from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.faults import StopSignals
 from trainer.loop.run import run
 
@@ -66,6 +67,8 @@ def assert_killed_with_steps(uri: str, run_id: str, signame: str) -> int:
     # SIGINT: the DataLoader path; SIGTERM: pinned_chunk, its loader thread busy reading the next chunk.
     pytest.param(signal.SIGINT, 130, [], id="SIGINT"),
     pytest.param(signal.SIGTERM, 143, ["loader=pinned_chunk", "dataset.chunks=4", "dataset.load_ms=300"], id="SIGTERM"),
+    # pinned_gather: its gather threads must not keep the process alive.
+    pytest.param(signal.SIGINT, 130, ["loader=pinned_gather", "loader.threads=4"], id="SIGINT-pinned_gather"),
 ])
 def test_signal_mid_run_marks_the_run_killed_and_keeps_its_steps(tmp_path, tracking_uri, sig, code, overrides):
     proc = start(tmp_path, tracking_uri, *LONG, *overrides)
@@ -159,6 +162,26 @@ def test_interrupted_run_leaves_no_workers_threads_or_handlers(tiny_cfg, trackin
     assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGTERM")
 
 
+def test_ctrl_c_stops_the_gather_threads_mid_gather(tiny_cfg, tracking_uri, runs, monkeypatch):
+    """SIGINT while pinned_gather's threads are busy: the run is KILLED and every thread has exited."""
+    gather = PinnedGatherLoader._gather
+
+    def slow_gather(self, *args):
+        time.sleep(0.01)  # each gather takes a while, so the signal finds threads in the middle of one
+        return gather(self, *args)
+    monkeypatch.setattr(PinnedGatherLoader, "_gather", slow_gather)
+    gather_threads = lambda: {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}  # noqa: E731
+    before = gather_threads()  # any of a loader another test left to the garbage collector
+    cfg = tiny_cfg(*[o for o in LONG if o not in TINY], "loader=pinned_gather", "loader.threads=4", "model.busy_ms=2")
+    signal_when_running(tracking_uri, signal.SIGINT)
+    with pytest.raises(Interrupted) as stop:
+        run(cfg)
+    assert stop.value.exit_code == 130
+    assert not gather_threads() - before
+    (r,) = runs()
+    assert assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGINT") > 10
+
+
 def test_a_held_signal_is_raised_once_the_run_is_saved():
     done = []
     with pytest.raises(Interrupted) as stop:
@@ -204,7 +227,7 @@ def test_pinned_memory_returns_to_baseline_between_strategies(tiny_cfg):
     torch.empty(1, device="cuda")  # CUDA initialised before the baseline is read
     baseline = held_pinned()
     for _ in range(2):
-        for strategy in ["pinned", "prefetch", "pinned_chunk", "gpu_resident", "seed_iterable"]:
+        for strategy in ["pinned", "prefetch", "pinned_chunk", "pinned_gather", "gpu_resident", "seed_iterable"]:
             summary = run(tiny_cfg("engine.device=cuda", f"loader={strategy}", "dataset.chunks=2", "loader.num_workers=2"))
             assert summary["total_steps"] > 0
             assert held_pinned() == baseline, strategy

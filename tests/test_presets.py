@@ -41,7 +41,7 @@ SEED_PRESETS: Dict[str, Tuple[int, List[str]]] = {
     "seed000_loaders": (8, ["dataset.num_samples=64", "dataset.chunk_samples=32", "dataset.shape=[8,8]",
                             "loader.batch_size=8", "engine.epochs=2"]),
     "seed002": (6, ["dataset.root={root}", *CIFAR, *STEPS]),
-    "seed003": (10, ["dataset.root={root}", *MNIST, *STEPS]),
+    "seed003": (12, ["dataset.root={root}", *MNIST, *STEPS]),
     "seed004": (12, ["dataset.root={root}", *CIFAR, *STEPS]),
     "limits": (16, ["dataset.shape=[4]", "engine.epochs=3", "engine.warmup_steps=1"]),
 }

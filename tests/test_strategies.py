@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 from datasets import build_dataset
 from trainer.config import SCHEMAS
+from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import build_loader
+from trainer.loaders.order import epoch_order
+from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.run import run
 
 # seed_iterable draws seed 000's random rows (with replacement): it reproduces that seed rather than
@@ -81,12 +86,141 @@ def test_pinned_chunk_loads_chunks_in_the_background_and_keeps_its_buffers(tiny_
 def test_drop_last_drops_the_partial_batch(tiny_cfg):
     for s in STRATEGIES:
         cfg = tiny_cfg(f"loader={s}", "loader.batch_size=40", "loader.drop_last=true", "loader.shuffle=false")
-        loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
-        sizes = [len(x) for x, _ in loader]
+        with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu")) as loader:
+            sizes = [len(x) for x, _ in loader]
         assert sizes == [40, 40] and len(loader) == 2, s
 
 
 def test_pinned_chunk_rejects_chunks_smaller_than_a_batch(tiny_cfg):
     cfg = tiny_cfg("loader=pinned_chunk", "dataset.chunks=7")  # 14-sample chunks, batches of 16
     with pytest.raises(ValueError, match="loader.batch_size=16.*got 14"):
+        build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
+
+
+# -- pinned_gather: per-sample shuffling from a ring of reused slots ----------------------------------
+@pytest.fixture
+def gather_threads():
+    """`gather_threads()`: the live pinned_gather threads started during this test (a loader an
+    earlier test left unclosed stops its threads only when it is garbage-collected)."""
+    def live():
+        return {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}
+    before = live()
+    return lambda: live() - before
+
+
+def _pair(tiny_cfg, *overrides, threads=4):
+    """(baseline, pinned_gather with `threads`) on the CPU over the same data, seeded alike."""
+    made = []
+    for s, own in (("baseline", []), ("pinned_gather", [f"loader.threads={threads}"])):
+        cfg = tiny_cfg(f"loader={s}", *overrides, *own)
+        made.append(build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"), seed=7))
+    return made
+
+
+def test_pinned_gather_shuffled_checksum_equals_baselines(tiny_cfg, runs, gather_threads):
+    """2 epochs, shuffled, 4 threads, data in 3 chunks, batches of 20 (a partial last one)."""
+    for s in ("baseline", "pinned_gather"):
+        checksums(tiny_cfg, s, "loader.threads=4" if s == "pinned_gather" else "loader.shuffle=true", "dataset.chunks=3",
+                  "loader.batch_size=20")
+    found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["epoch_checksums"],
+                                       r.data.tags["verified_batches"]) for r in runs()}
+    assert found["pinned_gather"] == found["baseline"] and found["baseline"][2] == "10", found
+    assert not gather_threads()  # stopped when the run closed its loader
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint8", "bfloat16"])
+@pytest.mark.parametrize("shuffle,drop_last", [("true", "false"), ("true", "true"), ("false", "false")])
+def test_pinned_gather_yields_baselines_batches_every_epoch(tiny_cfg, dtype, shuffle, drop_last):
+    base, gather = _pair(tiny_cfg, f"dataset.dtype={dtype}", f"loader.shuffle={shuffle}", f"loader.drop_last={drop_last}",
+                         "loader.batch_size=20", "dataset.chunks=2")
+    firsts = []
+    with base, gather:
+        for _ in range(3):
+            expected, got = list(base), list(gather)
+            assert len(got) == len(expected) == len(gather)
+            for (xe, ye), (xg, yg) in zip(expected, got):
+                assert xg.dtype == xe.dtype == torch.float32  # uint8/bfloat16 became model input after the 'copy'
+                assert torch.equal(xg, xe) and torch.equal(yg, ye)
+            firsts.append(got[0][0])
+    if shuffle == "true":  # a fresh per-sample order every epoch: the first batch holds other samples
+        assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
+
+
+def test_pinned_gather_reuses_its_slots_and_hands_out_copies(tiny_cfg, gather_threads):
+    cfg = tiny_cfg("loader=pinned_gather", "loader.threads=2", "loader.depth=1", "loader.batch_size=8")
+    ds = build_dataset(cfg.dataset)
+    loader = build_loader(cfg.loader, ds, torch.device("cpu"), seed=1)
+    ring, slots = loader.num_slots, loader.slots_x
+    lo, hi = slots.data_ptr(), slots.data_ptr() + slots.nbytes
+    data, labels = ds.materialize(), ds.labels
+    seen, host_ptrs = [], set()
+    make_host_batches = loader._host_batches
+
+    def recorded(epoch):  # the host batches the loop's thread hands to the copy, as it gets them
+        order = epoch_order(len(ds), True, 1, epoch)
+        for i, ((x, y), slot) in enumerate(make_host_batches(epoch)):
+            rows = order[i * 8:(i + 1) * 8]
+            assert torch.equal(x, data[rows]) and torch.equal(y, labels[rows])  # filled in epoch_order
+            host_ptrs.add(x.data_ptr())
+            yield (x, y), slot
+    loader._host_batches = recorded
+    with loader:
+        for epoch in range(3):
+            for x, _ in loader:
+                seen.append(x)
+                assert not (lo <= x.data_ptr() < hi)  # a copy, not a view of a slot that will be refilled
+            assert 1 <= len(gather_threads()) <= 2  # started on demand, up to loader.threads
+            # the next epoch's first batches are already being gathered when this one ends
+            assert [p[:2] for p in loader.pending] == [(epoch + 1, i) for i in range(ring)]
+        assert len(seen) == 3 * 12 > ring
+        assert len(host_ptrs) == ring and all(lo <= p < hi for p in host_ptrs)  # 36 batches through 4 slots
+        assert loader.slots_x is slots and slots.data_ptr() == lo  # allocated once
+    order = torch.cat([epoch_order(len(ds), True, 1, e) for e in range(3)])
+    assert torch.equal(torch.cat(seen), data[order])  # nothing overwritten after it was handed out
+    assert not gather_threads()
+
+
+def test_pinned_gather_after_an_abandoned_pass_serves_the_next_epoch(tiny_cfg):
+    base, gather = _pair(tiny_cfg, "loader.batch_size=8")
+    with base, gather:
+        for it in (iter(base), iter(gather)):
+            for _ in range(3):
+                next(it)
+            it.close()  # e.g. engine.max_steps reached mid-epoch
+        for (xe, ye), (xg, yg) in zip(list(base), list(gather)):
+            assert torch.equal(xg, xe) and torch.equal(yg, ye)
+
+
+def test_pinned_gather_threads_stop_when_the_consumer_fails(tiny_cfg, gather_threads):
+    _, gather = _pair(tiny_cfg, "loader.batch_size=8", threads=3)
+    with pytest.raises(ZeroDivisionError):
+        with gather:
+            for i, _ in enumerate(gather):
+                assert 1 <= len(gather_threads()) <= 3
+                if i == 2:
+                    raise ZeroDivisionError
+    assert not gather_threads()
+
+
+def test_pinned_gather_failed_gather_fails_the_run_in_one_line(tiny_cfg, runs, monkeypatch, gather_threads):
+    gather, calls = PinnedGatherLoader._gather, []
+
+    def fails_on_the_fifth(self, *args):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError("injected read error")
+        return gather(self, *args)
+    monkeypatch.setattr(PinnedGatherLoader, "_gather", fails_on_the_fifth)
+    with pytest.raises(RunFailed, match=r"a loader=pinned_gather gather thread failed: OSError: injected read error"):
+        run(tiny_cfg("loader=pinned_gather", "loader.batch_size=8", "engine.epochs=2"))
+    (r,) = runs()
+    assert r.info.status == "FAILED" and "injected read error" in r.data.tags["error"]
+    assert r.data.metrics["total_steps"] == 4  # the batches before the failed one were trained on
+    assert not gather_threads()
+
+
+@pytest.mark.parametrize("key", ["threads", "depth"])
+def test_pinned_gather_rejects_no_threads_or_depth(tiny_cfg, key):
+    cfg = tiny_cfg("loader=pinned_gather", f"loader.{key}=0")
+    with pytest.raises(ConfigError, match=rf"^loader\.{key} must be >= 1 \(got 0\): set loader\.{key}=\d+$"):
         build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))

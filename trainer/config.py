@@ -112,6 +112,15 @@ class PinnedChunkConfig(LoaderConfig):
 
 
 @dataclass
+class PinnedGatherConfig(LoaderConfig):
+    """Rows gathered in `epoch_order` by worker threads into page-locked slots, copied on a side stream."""
+
+    name: str = "pinned_gather"
+    depth: int = 1  # batches copied ahead on the side stream
+    threads: int = 4  # threads gathering rows into the page-locked slots (depth + threads + 1 slots)
+
+
+@dataclass
 class GpuResidentConfig(LoaderConfig):
     name: str = "gpu_resident"
 
@@ -203,6 +212,7 @@ SCHEMAS = {
         "pinned": PinnedConfig,
         "prefetch": PrefetchConfig,
         "pinned_chunk": PinnedChunkConfig,
+        "pinned_gather": PinnedGatherConfig,
         "gpu_resident": GpuResidentConfig,
         "seed_iterable": SeedIterableConfig,
     },

@@ -30,6 +30,8 @@ def validate(cfg) -> None:
         at_least("loader.prefetch_factor", loader.prefetch_factor, 1, 2)
     if "depth" in loader:
         at_least("loader.depth", loader.depth, 1, 1)
+    if "threads" in loader:
+        at_least("loader.threads", loader.threads, 1, 4)
     at_least("engine.epochs", engine.epochs, 1, "1 (or set engine.max_steps, the run's length in steps)")
     at_least("engine.max_steps", engine.max_steps, 0, "0 (run engine.epochs passes)")
     at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)

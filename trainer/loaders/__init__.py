@@ -16,6 +16,7 @@ from trainer.loaders.baseline import BaselineLoader
 from trainer.loaders.gpu_resident import GpuResidentLoader
 from trainer.loaders.pinned import PinnedLoader
 from trainer.loaders.pinned_chunk import PinnedChunkLoader
+from trainer.loaders.pinned_gather import PinnedGatherLoader
 from trainer.loaders.prefetch import PrefetchLoader
 from trainer.loaders.seed_iterable import SeedIterableLoader
 
@@ -24,6 +25,7 @@ LOADERS = {
     "pinned": PinnedLoader,
     "prefetch": PrefetchLoader,
     "pinned_chunk": PinnedChunkLoader,
+    "pinned_gather": PinnedGatherLoader,
     "gpu_resident": GpuResidentLoader,
     "seed_iterable": SeedIterableLoader,
 }

@@ -1,0 +1,208 @@
+"""`pinned_gather`: a fresh per-sample shuffle every epoch, fed from page-locked memory.
+
+The dataset is held once in host memory, in its storage dtype (uint8 images stay uint8). Each
+epoch visits the samples in `epoch_order`, exactly as `baseline` does, so the batches are the
+same, in the same order. `loader.threads` worker threads gather the rows of the coming batches
+straight into a ring of page-locked slots allocated once; each filled slot is copied on the
+side stream (`SideStreamCopier`, as `prefetch`), and a slot is gathered into again only after
+the event of the copy that read it has completed. The loop's thread only hands out indices and
+issues copies, so the gathers run in parallel with the step and with the copies of other slots,
+and across the end of an epoch: the next epoch's first batches are gathered (its order is known
+in advance) while the last ones of this epoch are copied.
+
+The ring holds `loader.depth + loader.threads + 1` slots: `depth` batches being copied ahead,
+one the step is about to use, and one per thread to gather into meanwhile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
+from typing import Deque, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+from trainer.errors import ConfigError, RunFailed
+from trainer.loaders.base import DeviceLoader, check_host_fits, chunk_samples_for, pinned_empty
+from trainer.loaders.order import epoch_order
+from trainer.loaders.stream import SideStreamCopier
+
+THREAD_PREFIX = "pinned-gather"  # the worker threads' names start with this
+
+
+class PinnedGatherLoader(DeviceLoader):
+    needs_cuda = True
+
+    def __init__(self, cfg, dataset, device, seed=0):
+        super().__init__(cfg, dataset, device, seed)
+        for key, value, fix in (("depth", cfg.depth, 1), ("threads", cfg.threads, 4)):
+            if value < 1:
+                raise ConfigError(f"loader.{key} must be >= 1 (got {value}): set loader.{key}={fix}")
+        start = time.perf_counter()
+        n, rows = len(dataset), min(cfg.batch_size, len(dataset))
+        self.num_slots = cfg.depth + cfg.threads + 1
+        source_bytes = dataset.nbytes + n * 8  # samples + int64 labels
+        slot_bytes = self.num_slots * rows * (dataset.sample_bytes + 8)
+        check_host_fits(source_bytes + slot_bytes,
+                        f"loader=pinned_gather (the whole dataset in host memory and {self.num_slots} page-locked "
+                        f"batch slots, loader.depth + loader.threads + 1)",
+                        lambda free: f"set a smaller dataset.num_samples, or use loader=pinned_chunk with "
+                                     f"dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)} "
+                                     f"(it holds two chunks, not the whole dataset)")
+        self.x, self.y = _load_whole(dataset)
+        pin, shape = self.on_cuda, dataset.sample_shape
+        self.slots_x = pinned_empty((self.num_slots, rows, *shape), dataset.storage_dtype, pin)
+        self.slots_y = pinned_empty((self.num_slots, rows), torch.int64, pin)
+        self.pinned_bytes = self.slots_x.nbytes + self.slots_y.nbytes if pin else 0
+        # The gather works on raw bytes: one row per sample, whatever the dtype (numpy has no bfloat16).
+        self._src_x, self._src_y = _row_bytes(self.x), self.y.numpy()
+        self._dst_x = [_row_bytes(s) for s in self.slots_x]
+        self._dst_y = [s.numpy() for s in self.slots_y]
+        self.last_copy = [None] * self.num_slots  # event of the latest copy reading each slot (CUDA)
+        self.pending: Deque = deque()  # (epoch, batch, slot, future) of the queued gathers, in order
+        self.upcoming: Iterator = iter(())  # the batches to queue next (`_schedule`)
+        self.queued = 0  # gathers queued so far: the next one fills slot `queued % num_slots`
+        self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)  # one stream per loader
+        # Threads start with the first batch and live until close(); on CUDA they wait on copy
+        # events, so they use the loader's device.
+        on_device = {}
+        if self.on_cuda:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            on_device = {"initializer": torch.cuda.set_device, "initargs": (index,)}
+        self.pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(
+            max_workers=cfg.threads, thread_name_prefix=THREAD_PREFIX, **on_device)
+        self.setup_s = time.perf_counter() - start
+        self.epoch = 0
+
+    def _gather(self, slot: int, rows: np.ndarray, after) -> int:
+        """Gather `rows` into `slot` (runs in a worker thread); returns the number of rows."""
+        if after is not None:
+            # FFCV's rule: the slot is not rewritten until the copy that reads it has completed
+            # (a host-side wait on this thread, never on the loop's).
+            after.synchronize()
+        m = len(rows)
+        # np.take releases the GIL and copies row by row on this thread alone; torch.index_select
+        # would split each large row over the intra-op thread pool from every worker at once.
+        # mode="clip" writes straight into `out` ("raise" would gather into a temporary first);
+        # the rows come from a permutation, so nothing is ever clipped.
+        np.take(self._src_x, rows, axis=0, out=self._dst_x[slot][:m], mode="clip")
+        np.take(self._src_y, rows, axis=0, out=self._dst_y[slot][:m], mode="clip")
+        return m
+
+    def _schedule(self, epoch: int) -> Iterator[Tuple[int, int, np.ndarray]]:
+        """`(epoch, batch, rows)` of every batch from `epoch` on, epoch after epoch."""
+        b, count = self.cfg.batch_size, len(self)
+        while count:
+            order = epoch_order(len(self.x), self.cfg.shuffle, self.seed, epoch).numpy()
+            for i in range(count):
+                yield epoch, i, order[i * b:(i + 1) * b]
+            epoch += 1
+
+    def _queue_gathers(self) -> None:
+        """Queue gathers until every slot but the one handed out last is taken (called only once
+        that one has been consumed: its copy issued, or on the CPU its clone made)."""
+        while len(self.pending) < self.num_slots:
+            batch = next(self.upcoming, None)
+            if batch is None:  # an empty epoch (drop_last, fewer samples than a batch)
+                return
+            epoch, i, rows = batch
+            slot = self.queued % self.num_slots
+            self.queued += 1
+            future = self.pool.submit(self._gather, slot, rows, self.last_copy[slot])
+            self.pending.append((epoch, i, slot, future))
+
+    def _drop_gathers(self) -> None:
+        """Cancel the queued gathers and wait for those already running: no slot is written after this."""
+        for *_, future in self.pending:
+            future.cancel()
+        wait([future for *_, future in self.pending])
+        self.pending.clear()
+
+    def _host_batches(self, epoch: int) -> Iterator:
+        """Yield `((x, y), slot)`: views of the filled slots, in `epoch_order`.
+
+        The gathers run ahead of the loop by up to one ring of slots, across the end of the epoch:
+        the first batches of the next epoch are gathered while the last ones of this epoch are
+        copied, so a new epoch starts without waiting for a gather.
+        """
+        if self.pool is None:
+            raise RuntimeError("loader=pinned_gather is closed: build a new one to iterate again")
+        if not (self.pending and self.pending[0][:2] == (epoch, 0)):  # not gathered ahead: first or abandoned pass
+            self._drop_gathers()
+            self.upcoming = self._schedule(epoch)
+        finished = False
+        try:
+            for i in range(len(self)):
+                if self.pool is None:
+                    raise RuntimeError("loader=pinned_gather was closed during a pass")
+                self._queue_gathers()  # the batch handed out before this one has been consumed
+                m = _result(self.pending[0][3])  # left in `pending` until done: an interrupt here still waits for it
+                _, _, slot, _ = self.pending.popleft()
+                yield (self.slots_x[slot][:m], self.slots_y[slot][:m]), slot
+            self._queue_gathers()  # the last batch is consumed: start on the next epoch's
+            finished = True
+        finally:
+            if not finished:  # abandoned or failed: no gather may write a slot after this
+                self._drop_gathers()
+                if self.copier.stream is not None:
+                    # A copy issued just before an interrupt may not have reported its event: wait
+                    # for every copy on the side stream, so no slot is refilled while the DMA reads it.
+                    self.copier.stream.synchronize()
+
+    def _copied(self, slot: int, event) -> None:
+        self.last_copy[slot] = event
+
+    def __iter__(self):
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        host = self._host_batches(epoch)
+        copies = self.copier.run(host, on_copied=self._copied)
+        try:
+            for x, y in copies:
+                # uint8 crossed PCIe as uint8; it becomes model input here, on the device.
+                yield self.dataset.on_device(x), y
+        finally:
+            # Close both now (not whenever they are collected): the gathers of this pass stop here.
+            copies.close()
+            host.close()
+
+    def close(self):
+        super().close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)  # the threads have exited on return
+            self.pool = None
+        self.pending.clear()
+        self.x = self.y = self.slots_x = self.slots_y = None
+        self._src_x = self._src_y = None
+        self._dst_x, self._dst_y, self.last_copy = [], [], []
+
+
+def _result(future) -> int:
+    """A gather's result; a failed gather becomes a one-line `RunFailed`."""
+    try:
+        return future.result()
+    except CancelledError:
+        raise RuntimeError("loader=pinned_gather was closed during a pass") from None
+    except Exception as e:
+        raise RunFailed(f"a loader=pinned_gather gather thread failed: {type(e).__name__}: {e}") from e
+
+
+def _load_whole(dataset):
+    """The whole dataset as one host tensor (storage dtype) plus int64 labels, loaded chunk by chunk."""
+    if dataset.num_chunks == 1:
+        x, y = dataset.load_chunk(0)
+        return x.contiguous(), y.to(torch.int64).contiguous()
+    n = len(dataset)
+    x = torch.empty((n, *dataset.sample_shape), dtype=dataset.storage_dtype)
+    y = torch.empty((n,), dtype=torch.int64)
+    for c in range(dataset.num_chunks):
+        lo, hi = dataset.chunk_range(c)
+        _, labels = dataset.load_chunk(c, out=x[lo:hi])
+        y[lo:hi].copy_(labels)
+    return x, y
+
+
+def _row_bytes(t: torch.Tensor) -> np.ndarray:
+    """`t` (contiguous, samples along dim 0) as a numpy uint8 array of one row per sample, sharing memory."""
+    return t.reshape(len(t), -1).view(torch.uint8).numpy()
