@@ -96,6 +96,8 @@ def _to(batch, device: torch.device, non_blocking: bool):
         return batch.to(device, non_blocking=non_blocking)
     if isinstance(batch, dict):
         return type(batch)((k, _to(v, device, non_blocking)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple
+        return type(batch)(*(_to(v, device, non_blocking) for v in batch))
     if isinstance(batch, (tuple, list)):
         return type(batch)(_to(v, device, non_blocking) for v in batch)
     return batch

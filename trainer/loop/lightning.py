@@ -33,8 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import statistics
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -305,6 +307,7 @@ def fit(model, optimizer, loader, meter: LightningMeter, cfg, checksum=None, pro
                disable=lc.progress_bar or not (cfg.progress and sys.stderr.isatty()))
     loop = _Loop(meter, total, LossWatch(meter, cfg.optimizer.lr), bar, checksum, profiler)
     hook = optimizer.register_step_post_hook(module.after_update) if optimizer is not None else None
+    handlers = _signal_handlers()
     try:
         with _quiet_lightning(lc.model_summary):
             trainer = L.Trainer(
@@ -327,11 +330,22 @@ def fit(model, optimizer, loader, meter: LightningMeter, cfg, checksum=None, pro
             if isinstance(loop.exception, KeyboardInterrupt):
                 raise loop.exception  # the run is then closed as KILLED, with its steps, exit status 130/143
     finally:
+        # Lightning ignores SIGINT while it shuts down after one and restores what it found only
+        # if it had got as far as installing its own handlers: leave them as they were.
+        for signum, handler in handlers.items():
+            if signal.getsignal(signum) is not handler:
+                signal.signal(signum, handler)
         bar.close()
         passes.close()
         if hook is not None:
             hook.remove()
     return loop.steps
+
+
+def _signal_handlers() -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # handlers can only be set (and so only changed) from the main thread
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not None}
 
 
 def output_dir(tmp: Optional[Path]) -> Path:
