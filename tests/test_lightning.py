@@ -20,7 +20,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from clirun import LONG, TINY, all_runs, command, error_line, run_cli, steps_csv, wait_for_running
+from clirun import LONG, TINY, command, steps_csv, wait_for_running
 from conftest import compose_config
 from test_interrupts import assert_killed_with_steps, signal_when_running
 from trainer.config import PROJECT_ROOT, SCHEMAS
@@ -40,13 +40,13 @@ def losses(uri: str, run_id: str):
     return [float(r["loss"]) for r in steps_csv(uri, run_id)]
 
 
-# ----------------------------------------------------------------------------- the contract, from the CLI
-def test_cli_lightning_prefetch_12_steps_records_the_contract(tmp_path, tracking_uri):
-    proc = run_cli(tmp_path, tracking_uri, "engine.loop=lightning", "loader=prefetch", "engine.max_steps=12",
-                   "dataset.num_samples=256", "dataset.shape=[16,16]", "engine.device=cpu")
-    assert proc.returncode == 0, proc.stderr
-    assert "Traceback" not in proc.stderr and "Detected KeyboardInterrupt" not in proc.stdout + proc.stderr
-    (r,) = all_runs(tracking_uri)
+# ----------------------------------------------------------------------------- the contract
+def test_lightning_prefetch_12_steps_records_the_contract(tiny_cfg, runs, tracking_uri):
+    """`python -m trainer engine.loop=lightning loader=prefetch engine.max_steps=12`, at a small size
+    (the CLI's Lightning runs: test_ctrl_c_... below and the presets' sweeps)."""
+    run(tiny_cfg("engine.loop=lightning", "loader=prefetch", "engine.max_steps=12", "engine.epochs=3",
+                 "dataset.num_samples=256", "dataset.shape=[16,16]", "loader.batch_size=64"))
+    (r,) = runs()
     assert r.info.status == "FINISHED"
     assert r.data.tags["loop"] == "lightning" and r.data.tags["strategy"] == "prefetch"
     assert r.data.metrics["total_steps"] == 12 and r.data.metrics["total_samples"] == 12 * 64
@@ -63,15 +63,14 @@ def test_cli_lightning_prefetch_12_steps_records_the_contract(tmp_path, tracking
 
 
 # ----------------------------------------------------------------------------- the same run under both loops
-@pytest.mark.parametrize("strategy,extra", [(s, []) for s in STRATEGIES] + [("baseline", ["loader.num_workers=2"])],
-                         ids=STRATEGIES + ["baseline-workers"])
-def test_both_loops_see_the_same_batches_and_train_alike(strategy, extra, tiny_cfg, runs, tracking_uri):
-    """engine.verify=true: the same checksums (every byte, in order, per epoch) under both loops, and
-    the same loss at every step. 9 steps of 6 per epoch: the second epoch stops half-way."""
-    common = [f"loader={strategy}", "engine.verify=true", "engine.epochs=2", "engine.max_steps=9",
-              "loader.shuffle=true", "dataset.chunks=3", *extra]
+BOTH_LOOPS = ["engine.verify=true", "engine.epochs=2", "engine.max_steps=9", "loader.shuffle=true", "dataset.chunks=3"]
+
+
+def test_both_loops_record_the_same_checksums_and_losses(tiny_cfg, runs, tracking_uri):
+    """engine.verify=true: the same checksums (every byte, in order, per epoch) in both runs' tags,
+    and the same loss at every step. 9 steps of 6 per epoch: the second epoch stops half-way."""
     for loop in ("feedbench", "lightning"):
-        assert run(tiny_cfg(*common, f"engine.loop={loop}"))["total_steps"] == 9
+        assert run(tiny_cfg("loader=pinned", *BOTH_LOOPS, f"engine.loop={loop}"))["total_steps"] == 9
     found = {r.data.tags["loop"]: r for r in runs()}
     ours, theirs = found["feedbench"], found["lightning"]
     for tag in ("data_checksum", "epoch_checksums", "verified_batches"):
@@ -81,8 +80,45 @@ def test_both_loops_see_the_same_batches_and_train_alike(strategy, extra, tiny_c
     assert "lightning_ms" not in ours.data.metrics and theirs.data.metrics["lightning_fraction"] >= 0
 
 
+def checksums_and_losses(cfg):
+    """The loop of `cfg.engine.loop` over the parts run(cfg) builds, without MLflow."""
+    from datasets import build_dataset
+    from models import build_model
+    from trainer.loaders import build_loader
+    from trainer.loop import lightning as lightning_loop
+    from trainer.loop.engine import train
+    from trainer.loop.meter import StepMeter
+    from trainer.loop.steps import build_optimizer, make_step
+    from trainer.loop.verify import Checksum
+
+    device = torch.device("cpu")
+    torch.manual_seed(cfg.engine.seed)
+    dataset = build_dataset(cfg.dataset)
+    loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
+    model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes)
+    optimizer = build_optimizer(cfg.engine.optimizer, model)
+    lightning = cfg.engine.loop == "lightning"
+    meter = (lightning_loop.LightningMeter if lightning else StepMeter)(device, cfg.engine.warmup_steps)
+    loader.copy_probe, checksum = meter, Checksum(device)
+    with loader:
+        if lightning:
+            lightning_loop.fit(model, optimizer, loader, meter, cfg.engine, checksum)
+        else:
+            train(make_step(model, optimizer, False), loader, meter, cfg.engine, checksum)
+    return checksum.result(), [r["loss"] for r in meter.finish().rows]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_strategy_feeds_both_loops_the_same_batches(strategy):
+    overrides = [*TINY, f"loader={strategy}", *BOTH_LOOPS]
+    ours = checksums_and_losses(compose_config(*overrides, "engine.loop=feedbench"))
+    theirs = checksums_and_losses(compose_config(*overrides, "engine.loop=lightning"))
+    assert theirs == ours and ours[0]["verified_batches"] == 9 and len(ours[0]["epoch_checksums"]) == 2
+
+
 def test_step_time_splits_into_wait_compute_and_lightning(tiny_cfg, runs, tracking_uri):
-    summary = run(tiny_cfg("engine.loop=lightning", "model=mlp", "engine.epochs=3", "engine.warmup_steps=4"))
+    summary = run(tiny_cfg("engine.loop=lightning", "model=mlp", "engine.epochs=3", "engine.warmup_steps=8",
+                           "engine.profile=true"))
     (r,) = runs()
     rows = steps_csv(tracking_uri, r.info.run_id)
     assert len(rows) == 18
@@ -90,12 +126,16 @@ def test_step_time_splits_into_wait_compute_and_lightning(tiny_cfg, runs, tracki
         parts = float(x["data_wait_ms"]) + float(x["compute_ms"]) + float(x["lightning_ms"])
         assert min(float(x[k]) for k in ("data_wait_ms", "compute_ms", "lightning_ms")) >= 0
         assert parts <= float(x["step_ms"]) * (1 + 1e-9) + 1e-9  # the rest is feedbench's own bookkeeping
-    timed = rows[4:]
+    timed = rows[8:]
     # steps follow one another: the timed region holds the timed steps' wall times, end to end
     assert summary["timed_wall_s"] * 1e3 >= sum(float(x["step_ms"]) for x in timed) * (1 - 1e-9)
-    assert summary["timed_steps"] == 14
+    assert summary["timed_steps"] == 10
     assert summary["lightning_fraction"] == pytest.approx(sum(float(x["lightning_ms"]) for x in timed) / (summary["timed_wall_s"] * 1e3))
-    assert summary["throughput_samples_per_s"] == pytest.approx(14 * 16 / summary["timed_wall_s"])
+    assert summary["throughput_samples_per_s"] == pytest.approx(10 * 16 / summary["timed_wall_s"])
+    # engine.profile=true: the trace covers the last warm-up steps; on the CPU it holds no GPU copy
+    trace = Path(MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json"))
+    assert profiled_steps(trace) == [3, 4, 5, 6, 7]
+    assert summary["trace_h2d_copies"] == r.data.metrics["trace_h2d_copies"] == 0
 
 
 def test_lightning_copies_only_what_a_strategy_leaves_to_it(tiny_cfg):
@@ -157,10 +197,10 @@ def test_missing_lightning_package_is_one_line(monkeypatch):
         validate(compose_config(*TINY, "engine.loop=lightning"))
 
 
-def test_bad_value_from_the_cli_is_one_line_and_opens_no_run(tmp_path, tracking_uri):
-    proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.loop=lightning", "engine.cuda_graph=true")
-    error_line(proc, r"engine\.cuda_graph=true cannot be used with engine\.loop=lightning")
-    assert all_runs(tracking_uri) == []
+def test_a_bad_value_opens_no_run(tiny_cfg, runs):
+    with pytest.raises(ConfigError, match=r"^engine\.cuda_graph=true cannot be used with engine\.loop=lightning"):
+        run(tiny_cfg("engine.loop=lightning", "engine.cuda_graph=true"))
+    assert runs() == []
 
 
 def test_nan_loss_fails_the_run_at_its_step(tiny_cfg, runs):
@@ -253,17 +293,20 @@ def test_copy_overlap_reads_a_trace(tmp_path):
     assert copy_overlap(_trace(tmp_path, cpu)) == {"trace_h2d_copies": 0.0}
 
 
-@pytest.mark.parametrize("loop", ["feedbench", "lightning"])
-def test_profile_traces_warm_up_steps_only(loop, tiny_cfg, runs, tracking_uri):
-    summary = run(tiny_cfg(f"engine.loop={loop}", "engine.profile=true", "engine.epochs=3", "engine.warmup_steps=8"))
-    assert summary["trace_h2d_copies"] == 0  # on the CPU
-    (r,) = runs()
-    trace = Path(MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json"))
-    steps = sorted({int(m.group(1)) for e in json.loads(trace.read_text())["traceEvents"]
-                    if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name", ""))))})
-    # torch.profiler numbers steps from 0: 5 traced steps, the last of the 8 warm-up steps
-    assert steps == [3, 4, 5, 6, 7]
-    assert r.data.metrics["trace_h2d_copies"] == 0
+def profiled_steps(trace: Path):
+    """torch.profiler's step numbers (from 0) in a trace."""
+    return sorted({int(m.group(1)) for e in json.loads(trace.read_text())["traceEvents"]
+                   if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name", ""))))})
+
+
+@pytest.mark.parametrize("warmup,expected", [(8, [3, 4, 5, 6, 7]), (3, [1, 2]), (1, [1])])
+def test_profiler_traces_the_last_warm_up_steps(warmup, expected, tmp_path):
+    from trainer.tools.profiling import StepProfiler
+    profiler = StepProfiler(True, tmp_path, skip=warmup)
+    for _ in range(12):
+        torch.ones(8).sum()
+        profiler.step()
+    assert profiled_steps(profiler.close()) == expected  # only with a warm-up of 1 is a timed step traced
 
 
 # ----------------------------------------------------------------------------- for Lightning users
