@@ -455,3 +455,14 @@ def test_gpu_lightning_prefetch_delivers_device_batches_without_a_second_copy():
     host = [x for x, _ in loader] * 2
     assert all(torch.equal(x.cpu(), h) for (x, _), h in zip(seen, host))
     assert trainer.global_step == 16
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_in_a_lightning_step_is_one_line(tiny_cfg, runs):
+    # The first layer's output alone is 65536 x 2^20 floats: 256 GiB.
+    with pytest.raises(RunFailed, match=r"out of GPU memory with loader=gpu_resident loader\.batch_size=65536 model=mlp: "
+                                        r"set loader\.batch_size=32768 or smaller"):
+        run(tiny_cfg("engine.device=cuda", "engine.loop=lightning", "loader=gpu_resident", "model=mlp",
+                     "model.hidden=1048576", "dataset.num_samples=65536", "loader.batch_size=65536", "engine.max_steps=2"))
+    (r,) = runs()
+    assert r.info.status == "FAILED" and "out of GPU memory" in r.data.tags["error"]
