@@ -34,12 +34,13 @@ from trainer.errors import ConfigError
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded picture otherwise
 
-PRESETS = ("limits", "seed000_copy", "seed000_loaders", "seed002", "seed003", "seed004")
+PRESETS = ("limits", "seed000_copy", "seed000_loaders", "seed002", "seed003", "seed004", "seed000_lightning", "seed001")
 # What the seeds published (seconds), quoted in docs/results.md.
 SEED000_LOADERS = {"copy_in_loader": 8.48, "pin_batches": 8.63, "no_pinning": 8.71, "pin_chunk": 9.64}
 SEED002 = {("question", "pageable"): 6.5701503753662, ("question", "pinned_blocking"): 7.0254474401474,
            ("answer", "pageable"): 5.72, ("answer", "pinned_async"): 5.48}
 SEED003 = {("baseline", "0"): 42.71 / 5, ("pinned", "8"): 19.92 / 5}  # loader1, loader2 (cpu_count()//2 workers); 5 epochs each
+SEED000_LIGHTNING_S = 31.6  # trainer.fit: 30 epochs of 8 batches of 64 (240 steps)
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -236,8 +237,57 @@ def seed004_table(sweep: Sweep) -> str:
                   "data wait", "GPU busy", "copy GB/s"], rows, numeric_from=3)
 
 
+LIGHTNING_STRATEGIES = {
+    "seed_iterable": "the seed's own loader (`seed_iterable`): Lightning copies",
+    "pinned": "pin_memory DataLoader (`pinned`): Lightning copies",
+    "prefetch": "`prefetch`: on the GPU already",
+    "pinned_chunk": "`pinned_chunk`: on the GPU already",
+    "gpu_resident": "`gpu_resident`: on the GPU already",
+}
+
+
+def pct(value: Optional[float]) -> str:
+    return cell(100 * value, "{:+.1f} %") if value is not None else ""
+
+
+def seed000_lightning_table(sweep: Sweep) -> str:
+    ref = m(sweep.find(engine__loop="lightning", loader__name="seed_iterable"), "throughput_samples_per_s")
+    seed_rate = 240 * 64 / SEED000_LIGHTNING_S
+    rows = [["seed 000's run (Lightning 1.0.5, its GPU): the whole `trainer.fit`", cell(seed_rate, "{:,.0f}"),
+             cell(SEED000_LIGHTNING_S, "{:.1f}"), "", "", "", "", "", ""]]
+    for strategy, label in LIGHTNING_STRATEGIES.items():
+        theirs = sweep.find(engine__loop="lightning", loader__name=strategy)
+        ours = sweep.find(engine__loop="feedbench", loader__name=strategy)
+        rate = m(theirs, "throughput_samples_per_s")
+        rows.append([label, cell(rate, "{:,.0f}"), cell(ratio(m(theirs, "total_samples"), rate), "{:.2f}"),
+                     cell(ratio(rate, ref)), cell(m(theirs, "data_wait_fraction")), cell(m(theirs, "lightning_fraction"), "{:.3f}"),
+                     cell(m(theirs, "median_lightning_ms"), "{:.3f}"), cell(m(ours, "throughput_samples_per_s"), "{:,.0f}"),
+                     pct(diff(ratio(m(ours, "throughput_samples_per_s"), rate), 1.0))])
+    return table(["batches from", "in Lightning: samples/s", "240 steps (s)", "vs the seed's loader in Lightning",
+                  "data wait", "Lightning's share", "Lightning ms/step", "in our loop: samples/s",
+                  "Lightning loop's cost (our loop faster by)"], rows)
+
+
+def seed001_table(sweep: Sweep) -> str:
+    rows = []
+    cases = (("lightning", "pinned", "Lightning's default loop (`pinned`)"),
+             ("lightning", "prefetch", "Lightning + our side-stream prefetch"),
+             ("feedbench", "pinned", "our loop, `pinned`"), ("feedbench", "prefetch", "our loop, `prefetch`"))
+    for busy in ("0.0", "2.0"):
+        ref = m(sweep.find(engine__loop="lightning", loader__name="pinned", model__busy_ms=busy), "throughput_samples_per_s")
+        for loop, loader, label in cases:
+            r = sweep.find(engine__loop=loop, loader__name=loader, model__busy_ms=busy)
+            rows.append([f"autoencoder{' + 2 ms' if busy == '2.0' else ''}", label, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
+                         cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "median_step_ms"), "{:.3f}"),
+                         cell(m(r, "median_h2d_ms"), "{:.3f}"), cell(m(r, "h2d_GBps")), cell(m(r, "hidden_h2d_fraction")),
+                         cell(m(r, "trace_h2d_overlap_fraction")), cell(m(r, "lightning_fraction"), "{:.3f}")])
+    return table(["model", "loop", "samples/s", "vs Lightning's default", "step (ms)", "copy (ms)", "copy GB/s",
+                  "copy hidden (events)", "copy during kernels (trace)", "Lightning's share"], rows, numeric_from=2)
+
+
 TABLES: Dict[str, Callable[[Sweep], str]] = {"limits": limits_table, "seed000_copy": copy_table, "seed000_loaders": loaders_table,
-                                             "seed002": seed002_table, "seed003": seed003_table, "seed004": seed004_table}
+                                             "seed002": seed002_table, "seed003": seed003_table, "seed004": seed004_table,
+                                             "seed000_lightning": seed000_lightning_table, "seed001": seed001_table}
 
 
 # ----------------------------------------------------------------------------- pictures and the page

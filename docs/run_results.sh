@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the seed presets and `limits` on this machine's GPU, one sweep each, then write their tables
 # into docs/results.md and their pictures into docs/results/.
-#   bash docs/run_results.sh                       # every preset: about 5 minutes on one H100 or H200
+#   bash docs/run_results.sh                       # every preset: about 5 minutes on one H100 or H200, plus the two Lightning ones
 #   bash docs/run_results.sh limits seed000_copy   # some of them (the page takes each preset's latest sweep)
 # MNIST and CIFAR-10 are read from data/ when torchvision's files are there. Otherwise files of the
 # real format and size, filled with random pixels, are generated once in outputs/generated-data:
@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 presets=("$@")
-[ ${#presets[@]} -gt 0 ] || presets=(limits seed000_copy seed000_loaders seed002 seed003 seed004)
+[ ${#presets[@]} -gt 0 ] || presets=(limits seed000_copy seed000_loaders seed002 seed003 seed004 seed000_lightning seed001)
 python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: docs/results.md is measured on a GPU')"
 
 generated=$PWD/outputs/generated-data

@@ -30,7 +30,7 @@ from fake_data import write_cifar10, write_mnist
 PRESETS = sorted(p.stem for p in (PROJECT_ROOT / "conf" / "experiment").glob("*.yaml"))
 # What tells the jobs of a sweep apart (MLflow params; a key a loader lacks reads "None").
 SETTING = ("loader.name", "loader.variant", "loader.non_blocking", "loader.batch_size", "loader.num_workers",
-           "loader.prefetch_factor", "model.name", "model.busy_ms", "engine.cuda_graph")
+           "loader.prefetch_factor", "model.name", "model.busy_ms", "engine.cuda_graph", "engine.loop")
 CIFAR = ["dataset.download=false", "dataset.verify_md5=false"]
 MNIST = ["dataset.download=false"]
 STEPS = ["engine.max_steps=3", "engine.warmup_steps=1"]
@@ -44,6 +44,10 @@ SEED_PRESETS: Dict[str, Tuple[int, List[str]]] = {
     "seed003": (12, ["dataset.root={root}", *MNIST, *STEPS]),
     "seed004": (12, ["dataset.root={root}", *CIFAR, *STEPS]),
     "limits": (16, ["dataset.shape=[4]", "engine.epochs=3", "engine.warmup_steps=1"]),
+    "seed000_lightning": (10, ["dataset.num_samples=64", "dataset.chunk_samples=32", "dataset.shape=[8,8]",
+                               "loader.batch_size=8", "engine.epochs=2"]),
+    "seed001": (8, ["dataset.num_samples=64", "dataset.shape=[8,8]", "loader.batch_size=8", "engine.max_steps=12",
+                    "engine.warmup_steps=6"]),
 }
 
 
@@ -116,6 +120,14 @@ def test_seed_presets_keep_the_seeds_sizes():
     assert (loaders.loader.batch_size, loaders.loader.num_workers, loaders.model.hidden) == (64, 0, 64)
     for preset in ("seed002", "seed003", "seed004"):
         assert compose_preset(f"experiment={preset}").dataset.num_samples == 0  # the whole training split
+    fit = compose_preset("experiment=seed000_lightning")  # Trainer(max_epochs=30) over the seed's loader
+    d = fit.dataset
+    assert (d.num_samples // d.chunk_samples, d.chunk_samples, list(d.shape), d.batches_per_chunk) == (2, 1000, [256, 256], 4)
+    assert (fit.engine.epochs, fit.engine.max_steps, fit.loader.batch_size, fit.model.hidden, fit.model.bottleneck,
+            fit.engine.optimizer.name, fit.engine.optimizer.lr) == (30, 30 * 2 * 4, 64, 64, 3, "adam", 1e-3)
+    prefetch = compose_preset("experiment=seed001")
+    assert prefetch.loader.batch_size * math.prod(prefetch.dataset.shape) * 4 == 16 * 2**20  # seed 001's 16 MB chunk
+    assert prefetch.engine.profile and prefetch.engine.warmup_steps >= 6  # the trace fits in the warm-up
     mnist = compose_preset("experiment=seed003")
     assert (mnist.dataset.name, mnist.model.hidden, mnist.loader.batch_size, mnist.engine.optimizer.name,
             mnist.engine.optimizer.lr, mnist.engine.warmup_steps) == ("mnist", 512, 64, "sgd", 0.01, math.ceil(60000 / 64))
@@ -171,7 +183,26 @@ def _check_limits(children):
         assert r.data.metrics["total_samples"] == 3 * int(r.data.params["loader.batch_size"])
 
 
-PER_PRESET = {"seed000_copy": _check_copy, "seed000_loaders": _check_loaders, "limits": _check_limits}
+def _check_lightning(children):
+    by_loop = {loop: {r.data.tags["strategy"]: r for r in children if r.data.tags["loop"] == loop} for loop in ("lightning", "feedbench")}
+    assert set(by_loop["lightning"]) == set(by_loop["feedbench"]) == {"seed_iterable", "pinned", "prefetch", "pinned_chunk", "gpu_resident"}
+    for strategy, theirs in by_loop["lightning"].items():
+        ours = by_loop["feedbench"][strategy]
+        # the seed's 2 loads x 4 batches per epoch, 2 epochs; the map-style ones 64 / 8 per epoch
+        assert theirs.data.metrics["total_steps"] == ours.data.metrics["total_steps"] == 16
+        assert theirs.data.metrics["final_loss"] == ours.data.metrics["final_loss"]  # the same training, either loop
+        assert "lightning_fraction" in theirs.data.metrics and "lightning_fraction" not in ours.data.metrics
+
+
+def _check_seed001(children):
+    assert sorted(r.data.tags["loop"] for r in children) == ["feedbench"] * 4 + ["lightning"] * 4
+    for r in children:
+        assert r.data.metrics["total_steps"] == 12
+        assert r.data.metrics["trace_h2d_copies"] == 0  # profiled, on the CPU: no GPU copies in the trace
+
+
+PER_PRESET = {"seed000_copy": _check_copy, "seed000_loaders": _check_loaders, "limits": _check_limits,
+              "seed000_lightning": _check_lightning, "seed001": _check_seed001}
 
 
 # ----------------------------------------------------------------------------- seed 000's own loader

@@ -19,3 +19,12 @@ def _check_datasets_package() -> None:
 
 
 _check_datasets_package()
+
+
+def __getattr__(name: str):
+    # `from trainer import lightning_prefetch`: imported on first use, as Lightning is an optional extra.
+    if name in ("lightning_prefetch", "FeedbenchDataModule", "DevicePrefetcher"):
+        from trainer import lightning
+
+        return getattr(lightning, name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")

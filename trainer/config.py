@@ -172,7 +172,20 @@ class OptimizerConfig:
 
 
 @dataclass
+class LightningConfig:
+    """Lightning's own features under `engine.loop=lightning`: all off by default, so the two loops
+    do the same work; turn one on to see what it costs."""
+
+    logger: bool = False  # CSVLogger, and the loss sent through `self.log` at every step
+    log_every_n_steps: int = 50  # how often the logger writes (Trainer's log_every_n_steps)
+    checkpointing: bool = False  # ModelCheckpoint at the end of every epoch
+    progress_bar: bool = False  # Lightning's progress bar (in place of feedbench's)
+    model_summary: bool = False  # the model summary printed when fitting starts
+
+
+@dataclass
 class EngineConfig:
+    loop: str = "feedbench"  # feedbench | lightning: the loop that drives the steps (lightning: Lightning's Trainer)
     device: str = "auto"  # auto | cpu | cuda
     seed: int = 0  # model init and shuffling
     epochs: int = 3  # passes over the data when max_steps=0
@@ -181,8 +194,9 @@ class EngineConfig:
     verify: bool = False  # checksum every batch on the device (tag data_checksum)
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
-    profile: bool = False  # torch.profiler trace of a few steady-state steps
+    profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 
 
 @dataclass

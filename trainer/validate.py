@@ -8,11 +8,13 @@ config; these checks catch values of the right type that cannot run. Each failur
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 from trainer.errors import ConfigError
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+LOOPS = ("feedbench", "lightning")
 
 
 def at_least(key: str, value, low, fix) -> None:
@@ -35,6 +37,7 @@ def validate(cfg) -> None:
     at_least("engine.epochs", engine.epochs, 1, "1 (or set engine.max_steps, the run's length in steps)")
     at_least("engine.max_steps", engine.max_steps, 0, "0 (run engine.epochs passes)")
     at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)
+    _validate_loop(engine)
     if engine.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {engine.optimizer.name!r}): "
                           f"set engine.optimizer.name=adam")
@@ -51,6 +54,22 @@ def validate(cfg) -> None:
                           f"set dataset.num_classes=10, or use model=autoencoder or model=noop")
     if not cfg.tracking.experiment:
         raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
+
+
+def _validate_loop(engine) -> None:
+    if engine.loop not in LOOPS:
+        raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {engine.loop!r}): set engine.loop=feedbench")
+    if engine.loop != "lightning":
+        return
+    if importlib.util.find_spec("lightning") is None:
+        raise ConfigError("engine.loop=lightning needs the lightning package: pip install 'feedbench[lightning]' "
+                          "(or pip install lightning), or set engine.loop=feedbench")
+    if engine.cuda_graph:
+        # Lightning's automatic optimization runs forward, backward and the optimizer step itself, in
+        # its closure: there is no single step function to capture.
+        raise ConfigError("engine.cuda_graph=true cannot be used with engine.loop=lightning (Lightning runs the step "
+                          "itself): set engine.cuda_graph=false, or engine.loop=feedbench")
+    at_least("engine.lightning.log_every_n_steps", engine.lightning.log_every_n_steps, 1, 50)
 
 
 def _validate_dataset(cfg) -> None:

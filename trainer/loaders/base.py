@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Iterator, Tuple, Union
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import torch
 
@@ -43,6 +43,13 @@ class DeviceLoader:
 
     def __iter__(self) -> Iterator[Batch]:
         raise NotImplementedError
+
+    def host_batches(self) -> Optional[Iterator[Batch]]:
+        """One pass of this strategy's batches *before* their copy, for a loop that copies batches
+        itself (Lightning's `transfer_batch_to_device`), or None when the strategy must make its own
+        copies: only a strategy whose copy is a plain `.to(device, non_blocking=True)` on the compute
+        stream after a DataLoader returns them (none of the side-stream or resident strategies)."""
+        return None
 
     def close(self) -> None:
         """Release workers, threads and buffers (also called on interrupt)."""

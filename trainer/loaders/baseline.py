@@ -13,6 +13,10 @@ class BaselineLoader(DeviceLoader):
             # Pageable source: CUDA stages it through a driver buffer and the host waits.
             yield self._copy(batch, non_blocking=False)
 
+    def host_batches(self):
+        # A pageable batch copied with non_blocking=True (as Lightning does) still waits on the host.
+        return self._batches()
+
     def close(self):
         super().close()
         self.dataloader = None

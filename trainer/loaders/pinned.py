@@ -19,6 +19,10 @@ class PinnedLoader(DeviceLoader):
         for batch in self._batches():
             yield self._copy(batch, non_blocking=self.cfg.non_blocking)
 
+    def host_batches(self):
+        # Lightning's own copy is non_blocking: a blocking one (non_blocking=false) stays ours.
+        return self._batches() if self.cfg.non_blocking else None
+
     def close(self):
         super().close()
         self.dataloader = None

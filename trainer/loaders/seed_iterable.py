@@ -82,9 +82,12 @@ class SeedIterableLoader(DeviceLoader):
             for j in range(ds.cfg.batches_per_chunk or math.ceil(len(x) / b)):
                 yield x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]
 
-    def __iter__(self):
+    def _start_pass(self) -> None:
         # Non-persistent DataLoader workers start each pass from a copy of the iterable: tell it the epoch.
         self.iterable.epoch, self.epoch = self.epoch, self.epoch + 1
+
+    def __iter__(self):
+        self._start_pass()
         variant = self.cfg.variant
         if variant == "pin_chunk":
             for batch in self._pinned_slices():
@@ -94,6 +97,14 @@ class SeedIterableLoader(DeviceLoader):
         else:
             for batch in self._batches():
                 yield self._copy(batch, non_blocking=variant == "pin_batches")
+
+    def host_batches(self):
+        # The seed's own Lightning run: DataLoader(pin_memory=True) batches, copied by Lightning.
+        return self._host_pass() if self.cfg.variant in ("no_pinning", "pin_batches") else None
+
+    def _host_pass(self):
+        self._start_pass()
+        yield from self._batches()
 
     def close(self):
         super().close()

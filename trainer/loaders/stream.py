@@ -54,7 +54,18 @@ class SideStreamCopier:
         while in_flight:
             dev, done, _host = in_flight.popleft()
             compute.wait_event(done)
-            for t in dev:
+            for t in tensors(dev):
                 t.record_stream(compute)
             issue()  # the next copy is queued before the step on `dev` is launched: they overlap
             yield dev
+
+
+def tensors(batch) -> list:
+    """Every tensor in a batch: a tensor, or tuples, lists and dicts of them (other values are skipped)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (tuple, list)):
+        return [t for item in batch for t in tensors(item)]
+    return []

@@ -95,7 +95,8 @@ class StepMeter:
         self._t_wait = 0.0
         self._t0: Optional[float] = None
         self._timed_from = 0
-        self._usage0 = self._usage1 = (0, 0.0)
+        self._usage0 = (0, 0.0)
+        self._usage_end: Optional[tuple] = None  # host usage where the loop ended, when not at finish()
 
     def _reserve(self, n: int) -> None:
         """Room for `n` more steps (before the loop; past PREALLOCATE_MAX, in blocks)."""
@@ -178,7 +179,7 @@ class StepMeter:
         """Wait for the device, read every event and compute the summaries."""
         self._sync()
         t1 = time.perf_counter()
-        usage1 = host_usage()
+        usage1 = self._usage_end or host_usage()  # a loop that ended earlier (Lightning's) says when
         n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
         losses = self.losses(0, n).float().cpu().tolist() if n else []
         rows, spans = [], []

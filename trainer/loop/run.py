@@ -18,7 +18,7 @@ from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loaders import build_loader
 from trainer.loop.meter import StepMeter
 from trainer.tools.limits import h2d_bandwidth
-from trainer.tools.profiling import StepProfiler
+from trainer.tools.profiling import StepProfiler, copy_overlap
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.tracking.runs import Tracker
 from trainer.tracking.store import check_tracking_uri
@@ -45,7 +45,7 @@ def run(cfg) -> dict:
     torch.manual_seed(cfg.engine.seed)
     mem_base = gpu_memory_baseline(device)
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
-            "device": device.type, "torch_version": torch.__version__,
+            "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
             "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none"}
     with StopSignals() as stop, Tracker(cfg, tags) as tracker, explain_faults(cfg):
@@ -63,7 +63,11 @@ def run(cfg) -> dict:
         optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
         planned = planned_steps(cfg.engine, loader)
         warn_untimed(planned, cfg.engine.warmup_steps)
-        meter = StepMeter(device, cfg.engine.warmup_steps, capacity=planned)
+        lightning = cfg.engine.loop == "lightning"
+        if lightning:  # Lightning is an optional extra: imported only when asked for
+            from trainer.loop import lightning as lightning_loop
+        meter = (lightning_loop.LightningMeter if lightning else StepMeter)(device, cfg.engine.warmup_steps,
+                                                                           capacity=planned)
         meter.setup_s = loader.setup_s
         loader.copy_probe = meter
         checksum = Checksum(device) if cfg.engine.verify else None
@@ -72,7 +76,10 @@ def run(cfg) -> dict:
         completed = False
         try:
             with loader:
-                train(make_step(model, optimizer, graphed), loader, meter, cfg.engine, checksum, profiler)
+                if lightning:  # the same parts, driven by Lightning's Trainer
+                    lightning_loop.fit(model, optimizer, loader, meter, cfg.engine, checksum, profiler, tmp)
+                else:
+                    train(make_step(model, optimizer, graphed), loader, meter, cfg.engine, checksum, profiler)
             completed = True
         finally:
             # Whatever happened, what was measured is recorded before the run is closed.
@@ -88,6 +95,9 @@ def run(cfg) -> dict:
                 tracker.set_tags(checksum.result())
             if trace is not None:
                 tracker.log_artifact(trace)
+                overlap = copy_overlap(trace)  # did the copies run while kernels ran?
+                tracker.log_summary(overlap)
+                summary.update(overlap)
     return summary
 
 
@@ -122,3 +132,4 @@ def ceilings(meter: StepMeter, device: torch.device) -> dict:
     nbytes = meter.copies[0][2]
     return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
             "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}
+

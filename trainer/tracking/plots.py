@@ -13,7 +13,10 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 # One colour per part of a step, the same in every picture.
-COLOURS = {"data_wait_ms": "#d62728", "h2d_ms": "#ff7f0e", "compute_ms": "#1f77b4", "throughput": "#2ca02c"}
+COLOURS = {"data_wait_ms": "#d62728", "h2d_ms": "#ff7f0e", "compute_ms": "#1f77b4", "lightning_ms": "#9467bd",
+           "throughput": "#2ca02c"}
+PARTS = (("data_wait_ms", "data wait"), ("h2d_ms", "host→device copy"), ("compute_ms", "compute"),
+         ("lightning_ms", "Lightning's own code"))  # the last only in runs of engine.loop=lightning
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -30,12 +33,12 @@ def _binned(rows: Sequence[dict]) -> tuple:
     size = math.ceil(len(rows) / MAX_BARS)
     groups = [rows[i:i + size] for i in range(0, len(rows), size)]
     edges = [int(g[0]["step"]) - 0.5 for g in groups] + [int(groups[-1][-1]["step"]) + 0.5]
-    keys = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "samples")
+    keys = [k for k, _ in PARTS if k in rows[0]] + ["step_ms", "samples"]
     return edges, [{k: sum(float(r[k]) for r in g) / len(g) for k in keys} for g in groups], size
 
 
 def timeline(rows: Sequence[dict], path: Path, warmup_steps: int = 0, title: str = "") -> Path:
-    """Per-step stacked data wait / copy / compute (ms), the step's wall time and the throughput.
+    """Per-step stacked data wait / copy / compute (/ Lightning) (ms), the step's wall time and the throughput.
 
     Each part is one `stairs` polygon rather than one bar per step, and a long run is drawn as
     means over runs of steps: a picture of 100k steps stays cheap to draw.
@@ -47,7 +50,7 @@ def timeline(rows: Sequence[dict], path: Path, warmup_steps: int = 0, title: str
     if warmup_steps > 0:
         ax.axvspan(0.5, min(warmup_steps, len(rows)) + 0.5, color="grey", alpha=0.15, label="warm-up (not in summaries)")
     base = [0.0] * len(bars)
-    for key, label in (("data_wait_ms", "data wait"), ("h2d_ms", "host→device copy"), ("compute_ms", "compute")):
+    for key, label in [(k, label) for k, label in PARTS if k in bars[0]]:
         top = [b + r[key] for b, r in zip(base, bars)]
         ax.stairs(top, edges, baseline=base, fill=True, color=COLOURS[key], alpha=0.85, label=label)
         base = top

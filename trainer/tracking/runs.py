@@ -131,14 +131,16 @@ class Tracker:
         mlflow.log_dict(env, "environment.json")
 
     def log_steps(self, rows: List[dict]) -> None:
-        """Per-step series (`log_batch`, step = global step), `steps.csv` and `timeline.png`."""
-        metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS]
+        """Per-step series (`log_batch`, step = global step), `steps.csv` and `timeline.png`.
+        A column a loop adds to the rows (Lightning's `lightning_ms`) is logged too."""
+        extra = tuple(k for k in (rows[0] if rows else {}) if k not in STEP_COLUMNS and not k.startswith("_"))
+        metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS + extra]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "steps.csv"
             with path.open("w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=STEP_COLUMNS, extrasaction="ignore")
+                w = csv.DictWriter(f, fieldnames=STEP_COLUMNS + extra, extrasaction="ignore")
                 w.writeheader()
                 w.writerows(rows)
             mlflow.log_artifact(str(path))
