@@ -100,6 +100,7 @@ class StepMeter:
         """Wait for the device, read every event and compute the summaries."""
         self._sync()
         t1 = time.perf_counter()
+        t1_unix = time.time()  # wall-clock end of the timed region (see `timed_start_unix_s`)
         if self.steps and self.steps[-1][6] is None:  # interrupted between step_begin and step_end
             self.steps.pop()
         if self._t0 is None:  # fewer steps than warm-up: summarise all of them
@@ -123,7 +124,10 @@ class StepMeter:
             rows.append({"step": i + 1, "epoch": epoch, "samples": samples, "data_wait_ms": wait_ms,
                          "h2d_ms": h2d_ms, "compute_ms": compute_ms, "step_ms": step_ms, "loss": losses[i],
                          "_bytes": nbytes, "_busy": busy})
-        return MeterResult(rows=rows, summary=self._summarise(rows[self._timed_from:], wall, spans))
+        summary = self._summarise(rows[self._timed_from:], wall, spans)
+        # When, by the clock, the timed region ran: a comparison marks jobs timed at once on one device.
+        summary.update(timed_start_unix_s=t1_unix - wall, timed_end_unix_s=t1_unix)
+        return MeterResult(rows=rows, summary=summary)
 
     def _summarise(self, timed: List[dict], wall_s: float, spans) -> Dict[str, float]:
         wall_ms = max(wall_s * 1e3, 1e-9)
