@@ -45,6 +45,10 @@ def main(cfg) -> None:
         if HydraConfig.get().mode == RunMode.MULTIRUN and (distributed.world()[1] == 1 or getattr(err, "agreed", False)):
             raise JobFailed(one_line(err)) from err
         raise SystemExit(EXIT_FAILED) from None
+    except Exception:
+        if distributed.is_main_process() or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(EXIT_FAILED) from None  # another rank's crash: rank 0 reports it, from the store
 
 
 def _terminate(signum, frame) -> None:

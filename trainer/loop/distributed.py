@@ -112,6 +112,12 @@ def _parent_environment() -> Dict[str, str]:
     return dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item)
 
 
+def _describe(error: BaseException) -> str:
+    """An error on one line; feedbench's own errors need no type name (their message says it all)."""
+    text = " ".join(str(error).split())
+    return text if isinstance(error, (ConfigError, RunFailed)) else f"{type(error).__name__}: {text}"
+
+
 def _store():
     # The process group's key-value store, hosted by torchrun's agent: it outlives any rank.
     return dist.distributed_c10d._get_default_store()
@@ -216,14 +222,13 @@ class Ranks:
             yield
         except Exception as e:  # a KeyboardInterrupt is not exchanged: it ends the process
             error = e
-        verdict = None if error is None else (type(error).__name__, " ".join(str(error).split()),
-                                              isinstance(error, ConfigError))
+        verdict = None if error is None else (_describe(error), isinstance(error, ConfigError))
         failed = [(r, v) for r, v in enumerate(self._all_gather(verdict)) if v is not None]
         if not failed:
             return
         if error is None:
-            r, (kind, text, config) = failed[0]
-            error = ConfigError(f"rank {r}: {text}") if config else PeerStopped(f"rank {r}: {kind}: {text}")
+            r, (text, config) = failed[0]
+            error = (ConfigError if config else PeerStopped)(f"rank {r}: {text}")
         error.agreed = True
         raise error
 
@@ -281,7 +286,7 @@ class Ranks:
         if isinstance(error, KeyboardInterrupt):
             mine = f"interrupted|{self.rank}|{getattr(error, 'signum', signal.SIGINT)}"
         else:
-            mine = f"failed|{self.rank}|{type(error).__name__}: {' '.join(str(error).split())}"
+            mine = f"failed|{self.rank}|{_describe(error)}"
         try:
             first = self.store.compare_set(self.key, "", mine).decode()
         except Exception:  # the store is gone (torchrun is exiting): this rank's own error stands

@@ -147,6 +147,9 @@ class SweepCallback(Callback):
     def _show(self, keys: List[str], rows: List[dict]) -> None:
         print(f"sweep {self.parent_id}: {len(rows)} jobs (`python -m trainer.report` prints this again)")
         print(report.format_table(keys, rows), flush=True)
+        warning = report.overlap_warning(rows)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
     def _finish_aborted(self) -> None:
         # Interrupted (Ctrl-C, SIGTERM: the entry point notes the signal) or stopped by an error.
