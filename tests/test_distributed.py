@@ -26,7 +26,7 @@ from trainer.tracking import report, sweep
 
 STRATEGIES = ["baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident", "seed_iterable"]
 # 101 samples over 2 ranks: 51 and 50; in batches of 16, 4 each; in batches of 25, 3 and 2.
-SMALL = ["dataset.num_samples=101", "dataset.shape=[4,4]", "loader.batch_size=16", "engine.warmup_steps=1",
+SMALL = ["dataset.num_samples=101", "dataset.shape=[4,4]", "engine.warmup_steps=1",
          "engine.progress=false", "engine.device=cpu", "model=mlp", "model.hidden=8"]
 
 
@@ -212,7 +212,7 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     assert len(steps_csv(tracking_uri, done.info.run_id)) == 8
     assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}
 
-    single = tiny_cfg(*SMALL, "engine.epochs=2", "engine.verify=true", "tracking.experiment=single")
+    single = tiny_cfg(*SMALL, "loader.batch_size=16", "engine.epochs=2", "engine.verify=true", "tracking.experiment=single")
     assert run(single)["total_samples"] == 202
     (alone,) = all_runs(tracking_uri, "single")
     assert alone.data.tags["world_size"] == "1"

@@ -59,6 +59,7 @@ def cli() -> None:
     """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) ending in one line."""
     signal.signal(signal.SIGTERM, _terminate)
     distributed.launch()  # under torchrun: join the ranks before Hydra names the output folder
+    distributed.quiet_other_ranks()
     try:
         main()
     except KeyboardInterrupt as stop:
@@ -69,7 +70,8 @@ def cli() -> None:
         if distributed.is_main_process():
             print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
-    distributed.finish()
+    finally:
+        distributed.finish()  # under torchrun: rank 0 done first, then leave the process group
 
 
 if __name__ == "__main__":

@@ -27,12 +27,14 @@ Errors end every rank, printed once:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import socket
 import sys
 import threading
+import time
 from datetime import datetime, timedelta
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -50,6 +52,9 @@ LAUNCH_TIME_ENV = "FEEDBENCH_LAUNCH_TIME"  # rank 0's launch time, read by the `
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "gpu_busy_fraction",
             "median_step_ms", "timed_wall_s")
+STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
+DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
+_launched_store = None  # the store, kept past the process group's end
 _runs = 0  # runs this process has started: the store keys of each run are its own
 
 
@@ -74,17 +79,46 @@ def launch() -> None:
     set_threads(local_size)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    store = _store()
+    global _launched_store
+    store = _launched_store = _store()
     if rank == 0:
         store.set("feedbench/launch_time", datetime.now().isoformat())
+        atexit.register(_main_done)  # registered first, so it runs last: after a sweep's own exit hooks
     os.environ[LAUNCH_TIME_ENV] = store.get("feedbench/launch_time").decode()  # waits for rank 0
 
 
 def finish() -> None:
-    """After every job ended well: leave the process group (after a failure the process just
-    exits: a rank that left cannot take part in an orderly teardown)."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """At the end of the process (the entry point's last step). After a failure or interrupt
+    anywhere (recorded in the store), leave at once. Otherwise the other ranks wait for rank 0
+    to be done, to its very exit (it may still close a sweep's parent run then): a rank that
+    exits first, even with an error every rank shares, makes torchrun stop rank 0 half-way.
+    Then each leaves the process group."""
+    store = _launched_store
+    if store is None or not dist.is_initialized():
+        return
+    try:
+        while not is_main_process() and not store.check([DONE_KEY]) and not store.check([STOPPED_KEY]):
+            time.sleep(0.1)
+        if store.check([STOPPED_KEY]):
+            return
+    except Exception:  # the store went with torchrun's agent: nothing left to wait for
+        return
+    dist.destroy_process_group()
+
+
+def _main_done() -> None:
+    try:
+        _launched_store.set(DONE_KEY, "1")
+    except Exception:
+        pass
+
+
+def quiet_other_ranks() -> None:
+    """Under torchrun only rank 0 speaks: the other ranks' Python output (Hydra's log lines, its
+    report of a failed job, a progress bar) would repeat rank 0's. Their errors reach rank 0
+    through the store. HYDRA_FULL_ERROR=1 keeps every rank's output, with full traces."""
+    if world()[1] > 1 and not is_main_process() and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        sys.stdout = sys.stderr = open(os.devnull, "w")
 
 
 def launch_time(pattern: str) -> str:
@@ -289,6 +323,7 @@ class Ranks:
             mine = f"failed|{self.rank}|{_describe(error)}"
         try:
             first = self.store.compare_set(self.key, "", mine).decode()
+            self.store.set(STOPPED_KEY, "1")
         except Exception:  # the store is gone (torchrun is exiting): this rank's own error stands
             return error
         kind, rank, what = first.split("|", 2)
