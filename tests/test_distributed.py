@@ -21,7 +21,9 @@ from trainer.loaders import build_loader
 from trainer.loaders.order import Shard
 from trainer.loop import distributed
 from trainer.loop.run import run
+from trainer.errors import Interrupted, RunFailed
 from trainer.loop.verify import Checksum, combine_ranks
+from trainer.tools import scaling
 from trainer.tracking import report, sweep
 
 STRATEGIES = ["baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident", "seed_iterable"]
@@ -111,6 +113,49 @@ def test_summaries_combine_into_the_run_figures():
     assert out["rank1/throughput_samples_per_s"] == 50.0
 
 
+class _Store(dict):
+    """The store's calls that `Ranks` makes, in memory (first writer wins, as in TCPStore)."""
+
+    def compare_set(self, key, expected, desired):
+        return self.setdefault(key, desired.encode())
+
+    def set(self, key, value):
+        self[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key]
+
+
+def _rank(rank: int, store: _Store) -> distributed.Ranks:
+    ranks = distributed.Ranks.__new__(distributed.Ranks)
+    ranks.rank, ranks.world_size, ranks.store, ranks.key = rank, 2, store, "run1/stop"
+    return ranks
+
+
+def test_the_first_rank_to_stop_decides_how_every_rank_closes():
+    """A rank's own failure stands (and is recorded); an error that follows another rank's failure
+    or interrupt (a lost collective, torchrun's SIGTERM) becomes that rank's verdict."""
+    store = _Store()
+    own = RunFailed("loss became nan at step 40")
+    assert _rank(1, store)._settle(own) is own
+    assert store["run1/stop"] == b"failed|1|loss became nan at step 40" and store.check([distributed.STOPPED_KEY])
+    for error in (Interrupted(signal.SIGTERM), RuntimeError("Connection reset by peer")):
+        settled = _rank(0, store)._settle(error)
+        assert isinstance(settled, distributed.PeerStopped)
+        assert str(settled) == "rank 1 failed: loss became nan at step 40"
+    assert _rank(0, store).stopped_elsewhere() and not _rank(1, store).stopped_elsewhere()
+
+    store = _Store()
+    assert isinstance(_rank(1, store)._settle(Interrupted(signal.SIGINT)), Interrupted)
+    settled = _rank(0, store)._settle(RuntimeError("Connection reset by peer"))
+    assert isinstance(settled, Interrupted) and settled.signum == signal.SIGINT  # Ctrl-C: KILLED, not FAILED
+    crash = _rank(0, _Store())._settle(ValueError("bad\nthing"))
+    assert isinstance(crash, ValueError)
+
+
 def test_launch_time_names_one_folder_for_every_rank(monkeypatch):
     monkeypatch.setenv(distributed.LAUNCH_TIME_ENV, "2026-01-02T03:04:05.678901")
     assert distributed.launch_time("%Y-%m-%d/%H-%M-%S-%f") == "2026-01-02/03-04-05-678901"
@@ -137,6 +182,33 @@ def test_jobs_timed_at_once_on_one_device_are_marked(tiny_cfg, tracking_uri):
     assert [r["overlap"] for r in rows] == ["1", "0", "3", "2"]
     assert report.overlap_warning(rows).startswith("warning: jobs 0, 1, 2, 3 were timed at the same time")
     assert "overlap" in report.format_table(keys, rows).splitlines()[0].split()
+
+
+def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_uri, capsys):
+    """The latest sweep of each world size, each job against the same job on one GPU."""
+    client = MlflowClient(tracking_uri)
+    for size in (1, 2):
+        parent_id = sweep.start_parent(tiny_cfg().tracking, f"at {size}", ["loader"], {"world_size": str(size)})
+        for strategy in ("baseline", "pinned"):
+            run(tiny_cfg(f"loader={strategy}", f"tracking.parent_run_id={parent_id}"))
+    sweeps = scaling.latest_sweeps(client, "feedbench")
+    assert list(sweeps) == [1, 2]
+    for r in report.children(client, sweeps[2]):  # figures of two ranks, as rank 0 logs them
+        client.log_metric(r.info.run_id, "throughput_samples_per_s", 3000.0)
+        client.log_metric(r.info.run_id, "aggregate_h2d_GBps", 8.0)
+        client.log_metric(r.info.run_id, "aggregate_h2d_peak_pinned_GBps", 10.0)
+    for r in report.children(client, sweeps[1]):
+        client.log_metric(r.info.run_id, "throughput_samples_per_s", 2000.0)
+        client.log_metric(r.info.run_id, "h2d_GBps", 5.0)
+    rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"))
+    assert [(r["loader"], r["gpus"]) for r in rows] == [("baseline", 1), ("baseline", 2), ("pinned", 1), ("pinned", 2)]
+    two = rows[1]
+    assert (two["× 1 GPU"], two["efficiency"], two["copy × 1 GPU"], two["of ceiling"]) == (1.5, 0.75, 1.6, 0.8)
+    assert rows[0]["× 1 GPU"] == 1.0 and rows[0]["ceiling GB/s"] is None  # no CUDA: no ceiling measured
+    assert scaling.main(["--uri", tracking_uri, "--experiment", "feedbench", "--markdown", str(Path(tracking_uri[10:]).parent / "s.md")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("feedbench: sweeps at 1, 2 GPU(s)") and out[1].split()[:4] == ["loader", "model", "gpus", "status"]
+    assert scaling.main(["--uri", tracking_uri, "--experiment", "nope"]) == 2
 
 
 # -- real torchrun ------------------------------------------------------------------------------
