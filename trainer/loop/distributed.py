@@ -346,7 +346,7 @@ class Ranks:
     # -- after the loop (every rank finished it) -----------------------------------------------
     def ceilings(self, alone: Callable[[], dict], nbytes: int) -> dict:
         """The copy ceilings: `alone()` (rank 0 by itself while the others wait: the single-GPU
-        figure), then every rank copying `nbytes` batches at once for ~1 GiB, added up over the
+        figure), then every rank copying `nbytes` batches at once for ~4 GiB, added up over the
         span they shared on each host: `aggregate_h2d_peak_pinned_GBps`."""
         if not self.enabled:
             return alone()

@@ -28,7 +28,7 @@ def h2d_bandwidth(nbytes: int, pinned: bool, device: torch.device, repeats: int 
     return nbytes / (ms * 1e6)
 
 
-def h2d_burst(nbytes: int, device: torch.device, total_bytes: int = 1 << 30,
+def h2d_burst(nbytes: int, device: torch.device, total_bytes: int = 4 << 30,
               line_up: Optional[Callable[[], None]] = None) -> Tuple[float, float, int]:
     """Copy `nbytes` from page-locked memory to `device` back to back until `total_bytes` have
     gone: `(start, end, bytes)`, start and end by the wall clock (`time.time()`), so that ranks
