@@ -58,6 +58,18 @@ _launched_store = None  # the store, kept past the process group's end
 _runs = 0  # runs this process has started: the store keys of each run are its own
 
 
+def adopt_submitit_tasks() -> None:
+    """In a job of Hydra's submitit launcher with several tasks (`hydra.launcher.tasks_per_node=N`,
+    e.g. N GPUs of a Slurm node), the tasks are the ranks: set torchrun's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) from submitit's, and the rest runs as under torchrun."""
+    if "WORLD_SIZE" in os.environ or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def world() -> Tuple[int, int, int, int]:
     """(rank, world size, local rank, ranks on this host), as torchrun sets them; (0, 1, 0, 1) alone."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -195,6 +207,7 @@ class Ranks:
 
     def __init__(self, cfg):
         """`cfg`: the `distributed` config section."""
+        adopt_submitit_tasks()
         self.rank, self.world_size, self.local_rank, self.local_world_size = world()
         self.shard = Shard(self.rank, self.world_size)
         self.backend = "none"
