@@ -55,6 +55,7 @@ PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "gpu_b
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
 _launched_store = None  # the store, kept past the process group's end
+_groups: Dict[float, object] = {}  # the ranks' own gloo groups, by timeout
 _runs = 0  # runs this process has started: the store keys of each run are its own
 
 
@@ -112,6 +113,9 @@ def finish() -> None:
         while not is_main_process() and not store.check([DONE_KEY]) and not store.check([STOPPED_KEY]):
             time.sleep(0.1)
         if store.check([STOPPED_KEY]):
+            # torchrun's SIGTERM is on its way: it must not cut short what is left (a sweep's
+            # parent run is closed at exit), and this process is ending anyway.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
             return
     except Exception:  # the store went with torchrun's agent: nothing left to wait for
         return
@@ -220,7 +224,9 @@ class Ranks:
         _runs += 1
         self.key = f"feedbench/run{_runs}/stop"
         self.store = _store()
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        if cfg.timeout_s not in _groups:  # created by every rank alike, once per timeout
+            _groups[cfg.timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        self.group = _groups[cfg.timeout_s]
 
     @property
     def enabled(self) -> bool:
