@@ -138,13 +138,18 @@ class SeedIterable(torch.utils.data.IterableDataset):
             raise ConfigError(f"loader.batch_size must be >= 1 (got {batch_size}): set loader.batch_size=64")
         self.source, self.batch_size = source, batch_size
         self.epoch = 0  # advanced by each pass in this process (workers start from it)
+        self.rank, self.world_size = 0, 1  # several processes (torchrun): each loads every world_size-th chunk
+
+    def chunks(self) -> range:
+        """The chunks this process loads (all of them in a world of one)."""
+        return range(self.source.num_chunks)[self.rank::self.world_size]
 
     def _batches_in(self, chunk: int) -> int:
         start, stop = self.source.chunk_range(chunk)
         return self.source.cfg.batches_per_chunk or math.ceil((stop - start) / self.batch_size)
 
     def __len__(self) -> int:
-        return sum(self._batches_in(i) for i in range(self.source.num_chunks))
+        return sum(self._batches_in(i) for i in self.chunks())
 
     def rows(self, epoch: int, chunk: int) -> Iterator[torch.Tensor]:
         """Row indices within `chunk` of each batch drawn from it in `epoch`."""
@@ -156,7 +161,7 @@ class SeedIterable(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
         epoch, self.epoch = self.epoch, self.epoch + 1
         worker = torch.utils.data.get_worker_info()
-        chunks = range(self.source.num_chunks)
+        chunks = self.chunks()
         if worker is not None:
             chunks = chunks[worker.id::worker.num_workers]
         for i in chunks:

@@ -212,3 +212,64 @@ def test_profile_trace_shows_side_stream_copies(tiny_cfg, runs, tracking_uri):
 def test_busy_ms_adds_device_time(tiny_cfg):
     summary = run(gpu(tiny_cfg, "model=noop", "model.busy_ms=2", "loader=gpu_resident", "engine.epochs=2"))
     assert 1.8 < summary["median_compute_ms"] < 2.6
+
+
+# -- several GPUs of one host under torchrun (NCCL) -----------------------------------------------
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+def _torchrun(tmp_path, uri, *args, **popen):
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "--monitor-interval=0.2",
+           "-m", "trainer", *args, f"tracking.uri={uri}", f"hydra.run.dir={tmp_path}/run"]
+    return subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+@two_gpus
+@pytest.mark.parametrize("strategy", SAME_SAMPLES)
+def test_two_gpus_one_run_with_nccl_equal_to_one_gpu(strategy, tmp_path, tiny_cfg, tracking_uri, runs):
+    """Each rank on its own GPU: one FINISHED run tagged world_size=2 and backend=nccl, on two
+    devices, with the aggregate figures, and epoch checksums equal to a one-GPU run's."""
+    size = ["engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", "dataset.chunks=2",
+            f"loader={strategy}", "engine.epochs=2", "engine.verify=true", "engine.progress=false"]
+    proc = _torchrun(tmp_path, tracking_uri, *size)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    (r,) = runs()
+    assert (r.info.status, r.data.tags["world_size"], r.data.tags["backend"]) == ("FINISHED", "2", "nccl")
+    assert len(r.data.tags["device_ids"].split(",")) == 2  # two GPUs, by UUID
+    m = r.data.metrics
+    if strategy != "gpu_resident":
+        assert m["aggregate_h2d_GBps"] > 0 and m["aggregate_h2d_peak_pinned_GBps"] > 0
+        assert m["rank1/h2d_GBps"] > 0
+    run(tiny_cfg(*size, "tracking.experiment=single"))
+    (alone,) = runs("single")
+    assert r.data.tags["epoch_checksums"] == alone.data.tags["epoch_checksums"]
+
+
+@two_gpus
+def test_a_failing_rank_ends_an_nccl_run_failed(tmp_path, tracking_uri):
+    """Rank 1's DataLoader worker is killed while rank 0 waits in NCCL's all-reduce: the run ends
+    FAILED with rank 1's error, and every process exits well before torchrun's SIGKILL."""
+    import os
+    import signal
+    from clirun import steps_csv, wait_for_running
+    proc = _torchrun(tmp_path, tracking_uri, "engine.device=cuda", "model=mlp", "model.busy_ms=5",
+                     "dataset.num_samples=200000", "dataset.shape=[8,8]", "loader.batch_size=8", "engine.epochs=1",
+                     "engine.progress=false", "loader.num_workers=1", start_new_session=True)
+    try:
+        (r,) = wait_for_running(tracking_uri, proc, settle=10)
+        rank1 = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
+                 if b"RANK=1" in Path(f"/proc/{c}/environ").read_bytes().split(b"\0")]
+        (worker,) = [int(c) for c in Path(f"/proc/{rank1[0]}/task/{rank1[0]}/children").read_text().split()][:1]
+        started = time.monotonic()
+        os.kill(worker, signal.SIGKILL)
+        _, err = proc.communicate(timeout=120)
+        assert time.monotonic() - started < 25, "ended by torchrun's SIGKILL, not by the peer watch"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    r = MlflowClient(tracking_uri).get_run(r.info.run_id)
+    assert r.info.status == "FAILED" and "rank 1 failed" in r.data.tags["error"], err
+    assert len(steps_csv(tracking_uri, r.info.run_id)) >= 1

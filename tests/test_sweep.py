@@ -21,7 +21,6 @@ from trainer.tracking import report, sweep
 from trainer.errors import ConfigError
 from trainer.loop.run import run
 
-PLUGINS = Path(__file__).parent / "plugins"  # a launcher that runs every job in its own process
 SMALL = ["engine.max_steps=8", "dataset.num_samples=128", "dataset.shape=[8,8]", "engine.progress=false",
          "engine.warmup_steps=2"]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -141,20 +140,28 @@ def test_failed_jobs_are_listed_as_failed_and_the_rest_still_compared(tmp_path, 
     assert read_artifact(client, parent.info.run_id, "comparison.png").startswith(PNG)
 
 
-def test_parent_id_reaches_jobs_run_in_other_processes(tmp_path, tracking_uri):
-    """A launcher that starts every job as its own process: the id travels in the overrides."""
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(PLUGINS), os.environ.get("PYTHONPATH")]))}
-    proc = multirun(tmp_path, tracking_uri, "hydra/launcher=subprocess", "loader=baseline,pinned", "engine.device=cpu",
-                    env=env)
+def test_submitit_local_jobs_run_in_their_own_processes_nested_under_the_parent(tmp_path, tracking_uri):
+    """Hydra's submitit launcher starts every job as its own process, all at once: the parent id
+    travels in the overrides, and the comparison sees the jobs' timed regions side by side."""
+    proc = multirun(tmp_path, tracking_uri, "hydra/launcher=submitit_local", "loader=baseline,pinned", "engine.device=cpu")
     assert proc.returncode == 0, proc.stderr
     client, parent, children = parent_and_children(tracking_uri)
     assert parent.info.status == "FINISHED"
     assert sorted(r.info.run_name for r in children) == ["loader=baseline", "loader=pinned"]
+    assert [r.info.status for r in children] == ["FINISHED", "FINISHED"]
+    assert len({r.data.tags["device_ids"] for r in children}) == 1  # this host's CPU, in both jobs
     keys, rows = report.compare(client, parent)
     assert keys == ["loader"] and [r["status"] for r in rows] == ["FINISHED", "FINISHED"]
     speedup = {r["loader"]: r["speedup_vs_baseline"] for r in rows}
     thr = {r.data.tags["strategy"]: r.data.metrics["throughput_samples_per_s"] for r in children}
     assert speedup == {"baseline": 1.0, "pinned": thr["pinned"] / thr["baseline"]}
+    # Started together, the two jobs may or may not have been timed at the same moment: the mark says which.
+    windows = sorted((r.data.metrics["timed_start_unix_s"], r.data.metrics["timed_end_unix_s"]) for r in children)
+    at_once = windows[1][0] < windows[0][1]
+    assert [bool(r["overlap"]) for r in rows] == [at_once, at_once]
+    assert ("were timed at the same time" in proc.stderr) == at_once
+    assert sorted(r.data.tags["sweep.job"] for r in children) == ["0", "1"]
+    assert len(list((tmp_path / "multirun" / ".submitit").iterdir())) >= 2  # submitit's own job folders
 
 
 def test_speedup_pairs_jobs_with_the_same_other_settings(tiny_cfg, tracking_uri):

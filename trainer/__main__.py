@@ -2,7 +2,7 @@
 
 Bad input and failed runs end in one line on stderr and exit status 1 (set HYDRA_FULL_ERROR=1
 for the full trace). Ctrl-C and SIGTERM close the run as KILLED, keeping what it measured, and
-exit with 130 and 143.
+exit with 130 and 143. Under torchrun every rank runs this; rank 0 prints (`trainer.loop.distributed`).
 """
 
 import os
@@ -15,7 +15,7 @@ from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 
 import trainer.config  # noqa: F401  (registers the config schemas)
-from trainer.loop import faults
+from trainer.loop import distributed, faults
 from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
 
@@ -39,10 +39,16 @@ def main(cfg) -> None:
     except (ConfigError, RunFailed) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        print(f"error: {one_line(err)}", file=sys.stderr)
-        if HydraConfig.get().mode == RunMode.MULTIRUN:
+        if distributed.is_main_process():  # under torchrun every rank has the error: print it once
+            print(f"error: {one_line(err)}", file=sys.stderr)
+        # Several ranks go on to a sweep's next job only when all of them know this one failed.
+        if HydraConfig.get().mode == RunMode.MULTIRUN and (distributed.world()[1] == 1 or getattr(err, "agreed", False)):
             raise JobFailed(one_line(err)) from err
         raise SystemExit(EXIT_FAILED) from None
+    except Exception:
+        if distributed.is_main_process() or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        raise SystemExit(EXIT_FAILED) from None  # another rank's crash: rank 0 reports it, from the store
 
 
 def _terminate(signum, frame) -> None:
@@ -52,6 +58,8 @@ def _terminate(signum, frame) -> None:
 def cli() -> None:
     """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) ending in one line."""
     signal.signal(signal.SIGTERM, _terminate)
+    distributed.launch()  # under torchrun: join the ranks before Hydra names the output folder
+    distributed.quiet_other_ranks()
     try:
         main()
     except KeyboardInterrupt as stop:
@@ -59,8 +67,11 @@ def cli() -> None:
         faults.stopped_by = signum
         run_id = getattr(stop, "run_id", None)
         closed = f": run {run_id} marked KILLED, what it measured is saved" if run_id else ""
-        print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
+        if distributed.is_main_process():
+            print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
+    finally:
+        distributed.finish()  # under torchrun: rank 0 done first, then leave the process group
 
 
 if __name__ == "__main__":

@@ -211,12 +211,20 @@ class TrackingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Runs under torchrun (`torchrun --nproc_per_node=N -m trainer ...`); ignored in one process."""
+
+    timeout_s: float = 300.0  # how long the ranks' own collectives (errors, results after the loop) wait for a rank
+
+
+@dataclass
 class Config:
     dataset: Any = MISSING
     loader: Any = MISSING
     model: Any = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 SCHEMAS = {
@@ -252,6 +260,16 @@ def register() -> None:
             cs.store(group=f"schema/{group}", name=name, node=node)
     if not OmegaConf.has_resolver("project_root"):
         OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+    if not OmegaConf.has_resolver("launch_time"):
+        # `${now:}` as rank 0 read it: under torchrun every rank composes its own config, and
+        # Hydra's output folder would otherwise differ from rank to rank. Cached, like `now`.
+        OmegaConf.register_new_resolver("launch_time", _launch_time, use_cache=True)
+
+
+def _launch_time(pattern: str) -> str:
+    from trainer.loop.distributed import launch_time
+
+    return launch_time(pattern)
 
 
 register()

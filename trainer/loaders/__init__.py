@@ -14,6 +14,7 @@ import torch
 from trainer.loaders.base import DeviceLoader
 from trainer.loaders.baseline import BaselineLoader
 from trainer.loaders.gpu_resident import GpuResidentLoader
+from trainer.loaders.order import Shard
 from trainer.loaders.pinned import PinnedLoader
 from trainer.loaders.pinned_chunk import PinnedChunkLoader
 from trainer.loaders.pinned_gather import PinnedGatherLoader
@@ -31,6 +32,7 @@ LOADERS = {
 }
 
 
-def build_loader(cfg, dataset, device: torch.device, seed: int = 0) -> DeviceLoader:
-    """Build the strategy named by `cfg.name` from its own config section."""
-    return LOADERS[cfg.name](cfg, dataset, device, seed)
+def build_loader(cfg, dataset, device: torch.device, seed: int = 0, shard: Shard = Shard()) -> DeviceLoader:
+    """Build the strategy named by `cfg.name` from its own config section; under torchrun,
+    over this rank's `shard` of every epoch."""
+    return LOADERS[cfg.name](cfg, dataset, device, seed, shard)

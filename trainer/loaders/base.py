@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Callable, Iterator, Optional, Tuple, Union
 
@@ -11,7 +10,7 @@ import torch
 from datasets.base import FeedDataset
 from trainer.config import plain
 from trainer.errors import ConfigError
-from trainer.loaders.order import EpochSampler
+from trainer.loaders.order import EpochSampler, Shard
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -22,12 +21,16 @@ class DeviceLoader:
     Works in any training loop (`for x, y in loader: ...`). Strategies know nothing about
     timing: a meter may set `copy_probe`, which is told where each host->device copy starts
     and ends (one copy per batch, in the order the batches are yielded).
+
+    Under torchrun each rank builds its own loader with its `shard` of every epoch
+    (`trainer.loaders.order.Shard`): it yields only that rank's batches.
     """
 
     needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
 
-    def __init__(self, cfg, dataset: FeedDataset, device: torch.device, seed: int = 0):
+    def __init__(self, cfg, dataset: FeedDataset, device: torch.device, seed: int = 0, shard: Shard = Shard()):
         self.cfg, self.dataset, self.device, self.seed = plain(cfg), dataset, torch.device(device), seed
+        self.shard = shard
         self.on_cuda = self.device.type == "cuda"
         self.setup_s = 0.0  # one-time cost paid before the first batch (pinning, uploading)
         self.pinned_bytes = 0  # page-locked host memory this loader holds
@@ -38,8 +41,13 @@ class DeviceLoader:
         return self.needs_cuda and not self.on_cuda
 
     def __len__(self) -> int:
-        n, b = len(self.dataset), self.cfg.batch_size
-        return n // b if self.cfg.drop_last else math.ceil(n / b)
+        """Batches per epoch (this rank's, under torchrun)."""
+        return self.shard.batches(len(self.dataset), self.cfg.batch_size, self.cfg.drop_last)
+
+    def batches_per_rank(self) -> list:
+        """Batches per epoch of every rank, in rank order (`[len(self)]` in a world of one)."""
+        n, b, drop = len(self.dataset), self.cfg.batch_size, self.cfg.drop_last
+        return [self.shard.batches(n, b, drop, rank=r) for r in range(self.shard.world_size)]
 
     def __iter__(self) -> Iterator[Batch]:
         raise NotImplementedError
@@ -99,7 +107,7 @@ class DeviceLoader:
         return torch.utils.data.DataLoader(
             self.dataset.per_sample(),
             batch_size=cfg.batch_size,
-            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed),
+            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed, self.shard),
             drop_last=cfg.drop_last,
             num_workers=workers,
             pin_memory=pin_memory and self.on_cuda,

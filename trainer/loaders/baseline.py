@@ -1,11 +1,12 @@
 """`baseline`: DataLoader in pageable memory, blocking `.to(device)` – what most loops do."""
 
 from trainer.loaders.base import DeviceLoader
+from trainer.loaders.order import Shard
 
 
 class BaselineLoader(DeviceLoader):
-    def __init__(self, cfg, dataset, device, seed=0):
-        super().__init__(cfg, dataset, device, seed)
+    def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
+        super().__init__(cfg, dataset, device, seed, shard)
         self.dataloader = self._dataloader(pin_memory=False)
 
     def __iter__(self):

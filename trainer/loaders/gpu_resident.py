@@ -12,14 +12,14 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.loaders.base import DeviceLoader, check_host_fits
-from trainer.loaders.order import epoch_order
+from trainer.loaders.order import Shard, epoch_shard
 
 
 class GpuResidentLoader(DeviceLoader):
     needs_cuda = True
 
-    def __init__(self, cfg, dataset, device, seed=0):
-        super().__init__(cfg, dataset, device, seed)
+    def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
+        super().__init__(cfg, dataset, device, seed, shard)
         start = time.perf_counter()
         n = len(dataset)
         chunk = dataset.chunk_samples * dataset.sample_bytes  # each chunk passes through host memory
@@ -43,12 +43,13 @@ class GpuResidentLoader(DeviceLoader):
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         b, n = self.cfg.batch_size, len(self.x)
-        if self.cfg.shuffle:
-            order = epoch_order(n, True, self.seed, epoch)
+        gather = self.cfg.shuffle or not self.shard.whole  # else batches are plain slices
+        if gather:
+            order = epoch_shard(n, self.cfg.shuffle, self.seed, epoch, self.shard)
             if self.on_cuda:  # from pinned memory: a pageable copy would wait for every queued step
                 order = order.pin_memory().to(self.device, non_blocking=True)
         for i in range(len(self)):
-            if self.cfg.shuffle:
+            if gather:
                 idx = order[i * b:(i + 1) * b]
                 x, y = self.x.index_select(0, idx), self.y.index_select(0, idx)
             else:

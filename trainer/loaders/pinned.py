@@ -6,13 +6,14 @@ queued in front of the step on the same stream, so it does not overlap compute.
 question): the batch is pinned, but the host still waits for every copy."""
 
 from trainer.loaders.base import DeviceLoader
+from trainer.loaders.order import Shard
 
 
 class PinnedLoader(DeviceLoader):
     needs_cuda = True
 
-    def __init__(self, cfg, dataset, device, seed=0):
-        super().__init__(cfg, dataset, device, seed)
+    def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
+        super().__init__(cfg, dataset, device, seed, shard)
         self.dataloader = self._dataloader(pin_memory=True)
 
     def __iter__(self):

@@ -7,6 +7,9 @@ Shuffling permutes the order of the batches within each chunk every epoch (and, 
 `shuffle_rows`, the rows of a chunk once when it is loaded). With several chunks, two buffers
 alternate: the next chunk loads in a background thread while the current one is being copied.
 
+Under torchrun every rank loads every chunk and keeps every `world_size`-th batch of the
+epoch's sequence (`Shard`): batches, not samples, are split, as they are contiguous slices.
+
 Batches follow the same grid as every other strategy (batch j holds samples j*B .. j*B+B-1), so
 without shuffling they are byte-identical to `baseline`'s. A batch that straddles two chunks is
 assembled in a small page-locked staging buffer from the tail of one chunk and the head of the next.
@@ -21,7 +24,7 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.loaders.base import DeviceLoader, check_host_fits, chunk_samples_for, pinned_empty
-from trainer.loaders.order import epoch_order
+from trainer.loaders.order import Shard, epoch_order
 from trainer.loaders.stream import SideStreamCopier
 
 _STAGES = 2  # staging buffers for straddling batches, used alternately
@@ -30,8 +33,8 @@ _STAGES = 2  # staging buffers for straddling batches, used alternately
 class PinnedChunkLoader(DeviceLoader):
     needs_cuda = True
 
-    def __init__(self, cfg, dataset, device, seed=0):
-        super().__init__(cfg, dataset, device, seed)
+    def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
+        super().__init__(cfg, dataset, device, seed, shard)
         if cfg.depth < 1:
             raise ValueError(f"loader.depth must be >= 1 (got {cfg.depth}): set loader.depth=1")
         if dataset.num_chunks > 1 and dataset.chunk_samples < cfg.batch_size:
@@ -53,6 +56,15 @@ class PinnedChunkLoader(DeviceLoader):
         self.ready = self._load(0, 0)  # (chunk, buffer, x, y), or a Future of it
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
+
+    def batches_per_rank(self) -> list:
+        """The ranks split the epoch's batches (not its samples): every `world_size`-th each."""
+        n, b = len(self.dataset), self.cfg.batch_size
+        total = n // b if self.cfg.drop_last else -(-n // b)
+        return [self.shard.size(total, rank=r) for r in range(self.shard.world_size)]
+
+    def __len__(self) -> int:
+        return self.batches_per_rank()[self.shard.rank]
 
     def _wait_free(self, buffer: int) -> None:
         """Block until no issued copy still reads `buffer`."""
@@ -83,6 +95,7 @@ class PinnedChunkLoader(DeviceLoader):
         """Yield `((x, y), buffer)` host batches: slices of the loaded chunk, in shuffled order."""
         ds, b = self.dataset, self.cfg.batch_size
         tail = None  # (stage buffer, rows filled) carried from the previous chunk
+        position = 0  # of the batch in the epoch's sequence, over all chunks: the ranks split it
         for c in range(ds.num_chunks):
             _, buffer, x, y = self.ready = self._take(c)
             lo, hi = ds.chunk_range(c)
@@ -111,6 +124,9 @@ class PinnedChunkLoader(DeviceLoader):
             for i in epoch_order(len(items), self.cfg.shuffle, self.seed, epoch * ds.num_chunks + c).tolist():
                 xs, ys, source = items[i]
                 if self.cfg.drop_last and len(xs) < b:
+                    continue
+                position, mine = position + 1, position % self.shard.world_size == self.shard.rank
+                if not mine:  # under torchrun: another rank's batch (every world_size-th is this rank's)
                     continue
                 # A contiguous slice of a page-locked buffer is page-locked too.
                 assert xs.is_pinned() or not self.on_cuda

@@ -15,7 +15,9 @@ every pass loads each chunk again – the seed's 'disk read', here generating it
 
 The rows are the seed's random draws, so unlike every other strategy this one does not deliver
 the same samples as `baseline` (and `loader.shuffle`/`drop_last` do not apply): it reproduces
-seed 000, it is not a strategy to compare on equal data.
+seed 000, it is not a strategy to compare on equal data. Under torchrun each rank loads every
+`world_size`-th chunk (as DataLoader workers share them), so the ranks together draw exactly the
+rows one process draws; their numbers of batches differ when the chunks do not split evenly.
 """
 
 from __future__ import annotations
@@ -26,14 +28,15 @@ import torch
 
 from trainer.errors import ConfigError
 from trainer.loaders.base import DeviceLoader
+from trainer.loaders.order import Shard
 
 VARIANTS = ("no_pinning", "copy_in_loader", "pin_batches", "pin_chunk")
 IN_PROCESS = ("copy_in_loader", "pin_chunk")  # touch CUDA while loading: DataLoader workers cannot
 
 
 class SeedIterableLoader(DeviceLoader):
-    def __init__(self, cfg, dataset, device, seed=0):
-        super().__init__(cfg, dataset, device, seed)
+    def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
+        super().__init__(cfg, dataset, device, seed, shard)
         variant = cfg.variant
         if variant not in VARIANTS:
             raise ConfigError(f"loader.variant must be one of {', '.join(VARIANTS)} (got {variant!r}): set loader.variant=pin_batches")
@@ -45,6 +48,7 @@ class SeedIterableLoader(DeviceLoader):
                               f"do (got loader.num_workers={cfg.num_workers}): set loader.num_workers=0")
         self.needs_cuda = variant != "no_pinning"
         self.iterable = dataset.iterable(cfg.batch_size)
+        self.iterable.rank, self.iterable.world_size = shard.rank, shard.world_size  # under torchrun: its chunks
         self.epoch = 0
         if variant == "pin_chunk":
             per_chunk = dataset.cfg.batches_per_chunk * cfg.batch_size
@@ -70,12 +74,16 @@ class SeedIterableLoader(DeviceLoader):
     def __len__(self) -> int:
         return len(self.iterable)
 
+    def batches_per_rank(self) -> list:
+        it = self.iterable
+        return [sum(it._batches_in(c) for c in range(it.source.num_chunks)[r::it.world_size]) for r in range(it.world_size)]
+
     def _to_device(self, batch):
         return self._copy(batch, non_blocking=False)
 
     def _pinned_slices(self):
         ds, b = self.dataset, self.cfg.batch_size
-        for c in range(ds.num_chunks):
+        for c in self.iterable.chunks():
             x, y = ds.load_chunk(c)
             if self.on_cuda:  # the seed's `torch.tensor(data).pin_memory()`: a page-locked copy per load
                 x, y = x.pin_memory(), y.pin_memory()

@@ -179,6 +179,7 @@ class StepMeter:
         """Wait for the device, read every event and compute the summaries."""
         self._sync()
         t1 = time.perf_counter()
+        t1_unix = time.time()  # wall-clock end of the timed region (see `timed_start_unix_s`)
         usage1 = self._usage_end or host_usage()  # a loop that ended earlier (Lightning's) says when
         n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
         losses = self.losses(0, n).float().cpu().tolist() if n else []
@@ -202,8 +203,10 @@ class StepMeter:
             return MeterResult(rows=rows, summary=self._untimed(rows))
         timed = rows[self._timed_from:]
         faults, cpu_s = usage1[0] - self._usage0[0], usage1[1] - self._usage0[1]
-        return MeterResult(rows=rows, summary=self._summarise(timed, t1 - self._t0, spans[self._timed_from:],
-                                                              faults, cpu_s))
+        summary = self._summarise(timed, t1 - self._t0, spans[self._timed_from:], faults, cpu_s)
+        # When, by the clock, the timed region ran: a comparison marks jobs timed at once on one device.
+        summary.update(timed_start_unix_s=t1_unix - (t1 - self._t0), timed_end_unix_s=t1_unix)
+        return MeterResult(rows=rows, summary=summary)
 
     def _untimed(self, rows: List[dict]) -> Dict[str, float]:
         return {"timed_steps": 0, "setup_s": self.setup_s, "total_steps": len(rows),

@@ -14,6 +14,7 @@ from models import build_model
 from trainer.loop.engine import planned_steps, train
 from trainer.tools.environment import describe
 from trainer.errors import ConfigError
+from trainer.loop.distributed import Ranks
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loaders import build_loader
 from trainer.loop.meter import StepMeter
@@ -38,28 +39,33 @@ def select_device(name: str) -> torch.device:
 
 
 def run(cfg) -> dict:
-    """One experiment: returns the summary metrics (also logged to MLflow)."""
-    validate(cfg)
-    device = select_device(cfg.engine.device)
-    check_tracking_uri(cfg.tracking.uri)
+    """One experiment: returns the summary metrics (also logged to MLflow). Under torchrun, one
+    rank's part of it (`trainer.loop.distributed`): rank 0 records the run for all of them."""
+    ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
+    with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
+        validate(cfg)
+        device = ranks.device(select_device(cfg.engine.device))  # this rank's GPU, current from here on
+        ranks.validate(cfg)
+        check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
     mem_base = gpu_memory_baseline(device)
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
             "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
             "cuda_version": str(torch.version.cuda),
-            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none"}
-    with StopSignals() as stop, Tracker(cfg, tags) as tracker, explain_faults(cfg):
+            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", **ranks.tags()}
+    with StopSignals() as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, ranks.guard(), explain_faults(cfg):
         stop.arm()  # SIGINT/SIGTERM now stop the run (KILLED); while it opens or saves, they wait
         tracker.log_environment(describe(device))
-        dataset = build_dataset(cfg.dataset)
-        check_against_dataset(cfg, dataset)
-        loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
+        with ranks.agree():
+            dataset = build_dataset(cfg.dataset)
+            check_against_dataset(cfg, dataset)
+            loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
         graphed = cfg.engine.cuda_graph and device.type == "cuda"
         degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
         tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
         if degraded:
             print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-        model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device)
+        model = ranks.wrap(build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
         optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
         planned = planned_steps(cfg.engine, loader)
         warn_untimed(planned, cfg.engine.warmup_steps)
@@ -75,7 +81,7 @@ def run(cfg) -> dict:
         profiler = StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps)
         completed = False
         try:
-            with loader:
+            with loader, ranks.uneven(model, loader.batches_per_rank(), cfg.engine):
                 if lightning:  # the same parts, driven by Lightning's Trainer
                     lightning_loop.fit(model, optimizer, loader, meter, cfg.engine, checksum, profiler, tmp)
                 else:
@@ -88,16 +94,21 @@ def run(cfg) -> dict:
             result = meter.finish()
             tracker.log_steps(result.rows)
             summary = dict(result.summary, pinned_host_mb=loader.pinned_bytes / 2**20,
-                           peak_gpu_mem_mb=peak_gpu_mb(device, mem_base),
-                           **(ceilings(meter, device) if completed else {}))  # after a failure: save, don't probe
-            tracker.log_summary(summary)
-            if checksum is not None:
-                tracker.set_tags(checksum.result())
-            if trace is not None:
-                tracker.log_artifact(trace)
-                overlap = copy_overlap(trace)  # did the copies run while kernels ran?
-                tracker.log_summary(overlap)
-                summary.update(overlap)
+                           peak_gpu_mem_mb=peak_gpu_mb(device, mem_base))
+            verified = checksum.result() if checksum is not None else None
+            try:
+                if completed:  # after a failure: save, don't probe, and no collective with the other ranks
+                    summary.update(ranks.ceilings(lambda: ceilings(meter, device), meter.copies[0][2] if meter.copies else 0))
+                    summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
+            finally:
+                tracker.log_summary(summary)
+                if verified is not None:
+                    tracker.set_tags(verified)
+                if trace is not None:
+                    tracker.log_artifact(trace)
+                    overlap = copy_overlap(trace)  # did the copies run while kernels ran?
+                    tracker.log_summary(overlap)
+                    summary.update(overlap)
     return summary
 
 

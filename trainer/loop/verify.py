@@ -5,6 +5,13 @@ label). Two sums are kept on the device and read once at the end, so verifying a
 - `ordered`: depends on every byte *and* on the order of samples and batches;
 - `unordered`: per epoch, the plain sum of sample hashes – equal whenever an epoch covers the
   same samples, whatever their order.
+
+With several ranks (torchrun) each rank hashes its own shard and `combine_ranks` joins them:
+the per-epoch sums add up to a single process's (the ranks together cover each epoch's samples
+exactly once), while the ordered checksum becomes the ranks' ordered checksums chained in rank
+order. That one pins down every rank's own order, so it equals another run's with the same
+seed and number of ranks, but not a single process's: with N ranks no one process sees the
+epoch's order, and which rank takes which batch changes with N.
 """
 
 from __future__ import annotations
@@ -53,3 +60,17 @@ class Checksum:
         return {"data_checksum": f"{int(self.ordered) & (2**64 - 1):016x}",
                 "epoch_checksums": [f"{e & (2**64 - 1):016x}" for e in epochs],
                 "verified_batches": self.batches}
+
+
+def combine_ranks(results: List[dict]) -> dict:
+    """One `result()` from every rank's, in rank order (see the module docstring)."""
+    mask = 2**64 - 1
+    ordered = 0
+    for r in results:
+        ordered = (ordered * _MULT + int(r["data_checksum"], 16)) & mask
+    epochs = max(len(r["epoch_checksums"]) for r in results)
+    sums = [sum(int(r["epoch_checksums"][e], 16) for r in results if e < len(r["epoch_checksums"])) & mask
+            for e in range(epochs)]
+    return {"data_checksum": f"{ordered:016x}", "epoch_checksums": [f"{e:016x}" for e in sums],
+            "verified_batches": sum(r["verified_batches"] for r in results),
+            "data_checksum_by_rank": ",".join(r["data_checksum"] for r in results)}

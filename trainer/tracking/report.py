@@ -2,7 +2,9 @@
 
 The comparison table built here is the one the sweep callback stores on the parent run as
 `comparison.csv`; both read the child runs' logged metrics, so the numbers are the runs' own.
-Each job's speedup is against the `baseline` job with the same other settings.
+Each job's speedup is against the `baseline` job with the same other settings. Jobs whose timed
+regions ran at the same time on a device they share (a launcher that starts them all at once,
+as submitit_local does) are marked in the `overlap` column: their timings disturb each other.
 """
 
 from __future__ import annotations
@@ -113,6 +115,7 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
     Only a FINISHED run's metrics are shown: a failed job's partial numbers are not comparable.
     """
     keys, others = setting_keys(runs, [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k])
+    overlaps = overlapping(runs)
     rows: List[Dict[str, object]] = []
     for i, r in enumerate(runs):
         done = r.info.status == "FINISHED"
@@ -121,6 +124,7 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
         row["status"] = r.info.status
         for m in METRICS + PLAIN:
             row[m] = r.data.metrics.get(m) if done else None
+        row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
         row["run_id"] = r.info.run_id
         rows.append(row)
     for row, r in zip(rows, runs):
@@ -135,12 +139,37 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
     return [column(k) for k in keys], rows
 
 
+def overlapping(runs: Sequence[Run]) -> Dict[str, List[str]]:
+    """run id -> the jobs (`sweep.job`) whose timed region overlapped its own in time on a device
+    both used (tag `device_ids`: host and GPU UUID, or host and `cpu`)."""
+    spans = []
+    for i, r in enumerate(runs):
+        m, devices = r.data.metrics, set(filter(None, r.data.tags.get("device_ids", "").split(",")))
+        if devices and "timed_start_unix_s" in m and "timed_end_unix_s" in m:
+            spans.append((r.info.run_id, r.data.tags.get("sweep.job", str(i)), devices,
+                          m["timed_start_unix_s"], m["timed_end_unix_s"]))
+    found: Dict[str, List[str]] = {}
+    for run_id, _, devices, start, end in spans:
+        found[run_id] = [job for other, job, d, a, b in spans
+                         if other != run_id and devices & d and a < end and start < b]
+    return found
+
+
+def overlap_warning(rows: Sequence[dict]) -> Optional[str]:
+    """One line naming the jobs timed at the same time on one device, or None."""
+    jobs = [str(r["job"]) for r in rows if r.get("overlap")]
+    if not jobs:
+        return None
+    return (f"warning: jobs {', '.join(jobs)} were timed at the same time on a shared device (column overlap): "
+            "their figures disturb each other; run a timing sweep one job at a time (see README)")
+
+
 def metric_columns(rows: Sequence[dict]) -> List[str]:
     return [*METRICS, *(m for m in PLAIN if any(row.get(m) is not None for row in rows))]
 
 
 def header(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
-    return ["job", *keys, "status", *metric_columns(rows), "run_name", "run_id"]
+    return ["job", *keys, "status", *metric_columns(rows), "overlap", "run_name", "run_id"]
 
 
 def _cell(key: str, value, exact: bool) -> str:
@@ -151,9 +180,14 @@ def _cell(key: str, value, exact: bool) -> str:
     return str(value)
 
 
+def shown(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
+    """The printed columns: run name and id are in the CSV; `overlap` only when a job has one."""
+    return [c for c in header(keys, rows)[:-2] if c != "overlap" or any(r.get("overlap") for r in rows)]
+
+
 def format_table(keys: Sequence[str], rows: Sequence[dict]) -> str:
     """An aligned plain-text table: text left, numbers right."""
-    cols = header(keys, rows)[:-2]  # run name and id: in the CSV
+    cols = shown(keys, rows)
     cells = [[_cell(c, row.get(c), exact=False) for c in cols] for row in rows]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
     numeric = [c in FORMATS for c in cols]
@@ -175,7 +209,7 @@ def to_csv(keys: Sequence[str], rows: Sequence[dict]) -> str:
 
 
 def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
-    cols = header(keys, rows)[:-2]
+    cols = shown(keys, rows)
     lines = ["| " + " | ".join(cols) + " |",
              "|" + "|".join("---:" if c in FORMATS else "---" for c in cols) + "|"]
     lines += ["| " + " | ".join(_cell(c, row.get(c), exact=False) for c in cols) + " |" for row in rows]
@@ -212,6 +246,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     keys, rows = compare(client, parent)
     print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
     print(format_table(keys, rows) if rows else "(no child runs)")
+    warning = overlap_warning(rows)
+    if warning:
+        print(warning, file=sys.stderr)
     if args.csv:
         args.csv.write_text(to_csv(keys, rows))
     if args.markdown:

@@ -137,20 +137,55 @@ class Tracker:
         metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS + extra]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
+        self.log_rows(rows, "steps.csv")
         with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "steps.csv"
+            if rows:
+                title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
+                mlflow.log_artifact(str(plots.timeline(rows, Path(tmp) / "timeline.png",
+                                                       self.cfg.engine.warmup_steps, title)))
+
+    def log_rows(self, rows: List[dict], name: str) -> None:
+        """Per-step rows as a CSV artifact (`steps.csv`; another rank's: `steps_rank1.csv`)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / name
             with path.open("w", newline="") as f:
                 w = csv.DictWriter(f, fieldnames=STEP_COLUMNS + extra, extrasaction="ignore")
                 w.writeheader()
                 w.writerows(rows)
             mlflow.log_artifact(str(path))
-            if rows:
-                title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
-                mlflow.log_artifact(str(plots.timeline(rows, Path(tmp) / "timeline.png",
-                                                       self.cfg.engine.warmup_steps, title)))
 
     def log_summary(self, summary: Dict[str, float]) -> None:
         mlflow.log_metrics({k: float(v) for k, v in summary.items()})
 
     def log_artifact(self, path: Path) -> None:
         mlflow.log_artifact(str(path))
+
+
+class NoTracker:
+    """The tracker of a rank other than 0 under torchrun: rank 0 records the run, this records nothing."""
+
+    run_id = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return False
+
+    def set_tags(self, tags) -> None:
+        pass
+
+    def log_environment(self, env) -> None:
+        pass
+
+    def log_steps(self, rows) -> None:
+        pass
+
+    def log_rows(self, rows, name) -> None:
+        pass
+
+    def log_summary(self, summary) -> None:
+        pass
+
+    def log_artifact(self, path) -> None:
+        pass

@@ -5,6 +5,8 @@ before the first job and hands its id to every job as the override
 `tracking.parent_run_id='<id>'`. The id travels with each job's overrides, so it reaches the job
 whichever launcher runs it (in this process, a worker pool or a cluster). After the last job the
 parent gets `comparison.csv` and `comparison.png` (trainer.tracking.report builds the table) and is closed.
+
+Under torchrun every rank runs the sweep; rank 0 alone records it (and the jobs' runs).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
-from trainer.loop import faults
+from trainer.loop import distributed, faults
 from trainer.tracking import plots, report
 from trainer.tracking.runs import child_identity, job_value
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten
@@ -109,6 +111,8 @@ class SweepCallback(Callback):
         self.uri: Optional[str] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        if not distributed.is_main_process():
+            return
         overrides = sweep_overrides(config)
         keys = swept_keys(overrides)
         name = config.tracking.sweep_name or ("sweep " + " ".join(overrides) if overrides else "sweep")
@@ -116,7 +120,8 @@ class SweepCallback(Callback):
         self.uri = config.tracking.uri or default_uri()
         self.parent_id = start_parent(config.tracking, name, keys,
                                       {"sweep.overrides": " ".join(fixed)[:5000],
-                                       "sweep.dir": str(config.hydra.sweep.dir)})
+                                       "sweep.dir": str(config.hydra.sweep.dir),
+                                       "world_size": str(distributed.world()[1])})
         # The sweeper reads the task overrides after this hook: every job is composed with this one.
         with read_write(config.hydra.overrides):
             config.hydra.overrides.task.append(f"{PARENT_KEY}='{self.parent_id}'")
@@ -126,7 +131,7 @@ class SweepCallback(Callback):
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if (config.hydra.mode != RunMode.MULTIRUN or job_return.status != JobStatus.FAILED
-                or not OmegaConf.select(config, PARENT_KEY)):
+                or not OmegaConf.select(config, PARENT_KEY) or not distributed.is_main_process()):
             return
         try:
             record_failed_job(config, job_return._return_value)  # the exception (the property re-raises it)
@@ -142,6 +147,9 @@ class SweepCallback(Callback):
     def _show(self, keys: List[str], rows: List[dict]) -> None:
         print(f"sweep {self.parent_id}: {len(rows)} jobs (`python -m trainer.report` prints this again)")
         print(report.format_table(keys, rows), flush=True)
+        warning = report.overlap_warning(rows)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
 
     def _finish_aborted(self) -> None:
         # Interrupted (Ctrl-C, SIGTERM: the entry point notes the signal) or stopped by an error.

@@ -1,0 +1,330 @@
+"""Several processes: shards of every epoch, results combined over ranks, real torchrun (gloo on the
+CPU) with its faults, and the comparison's mark for jobs timed at the same time on one device."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from clirun import LONG, all_runs, steps_csv, wait_for_running
+from datasets import build_dataset
+from trainer.loaders import build_loader
+from trainer.loaders.order import Shard
+from trainer.loop import distributed
+from trainer.loop.run import run
+from trainer.errors import Interrupted, RunFailed
+from trainer.loop.verify import Checksum, combine_ranks
+from trainer.tools import scaling
+from trainer.tracking import report, sweep
+
+STRATEGIES = ["baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident", "seed_iterable"]
+# 101 samples over 2 ranks: 51 and 50; in batches of 16, 4 each; in batches of 25, 3 and 2.
+SMALL = ["dataset.num_samples=101", "dataset.shape=[4,4]", "engine.warmup_steps=1",
+         "engine.progress=false", "engine.device=cpu", "model=mlp", "model.hidden=8"]
+
+
+def samples(loader, epochs: int = 2):
+    """Each epoch's samples as sorted (bytes, label) pairs, and the batch order, from `loader`."""
+    out = []
+    for _ in range(epochs):
+        seen = [(x.numpy().tobytes(), int(y)) for xb, yb in loader for x, y in zip(xb, yb)]
+        out.append(seen)
+    return out
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_ranks_split_every_epoch_exactly_once(tiny_cfg, strategy):
+    """Two ranks' shards of each epoch together hold exactly one process's samples; the same seed
+    gives the same split; every strategy takes it from the shared order code."""
+    extra = ["dataset.chunks=3", "dataset.num_samples=99"] if strategy != "seed_iterable" else [
+        "dataset.chunks=4", "dataset.num_samples=96", "dataset.batches_per_chunk=2"]
+    cfg = tiny_cfg(f"loader={strategy}", *extra)
+    ds = build_dataset(cfg.dataset)
+    cpu = torch.device("cpu")
+    whole = samples(build_loader(cfg.loader, ds, cpu, seed=3))
+    parts = []
+    for rank in (0, 1):
+        loader = build_loader(cfg.loader, ds, cpu, seed=3, shard=Shard(rank, 2))
+        assert len(loader) == loader.batches_per_rank()[rank]
+        got = samples(loader)
+        assert [len(e) for e in got] and all(len(e) < len(w) for e, w in zip(got, whole))
+        parts.append(got)
+        again = samples(build_loader(cfg.loader, ds, cpu, seed=3, shard=Shard(rank, 2)))
+        assert again == got  # same seed, same split
+    for epoch in range(2):
+        assert sorted(parts[0][epoch] + parts[1][epoch]) == sorted(whole[epoch])
+    assert sorted(parts[0][0]) != sorted(parts[1][0])
+
+
+def test_shard_sizes_and_batches():
+    assert [Shard(r, 3).size(10) for r in range(3)] == [4, 3, 3]
+    assert [Shard(r, 2).batches(129, 64, drop_last=False) for r in range(2)] == [2, 1]
+    assert [Shard(r, 2).batches(129, 64, drop_last=True) for r in range(2)] == [1, 1]
+    assert Shard().take(torch.arange(5)).tolist() == [0, 1, 2, 3, 4]
+    assert Shard(1, 2).take(torch.arange(5)).tolist() == [1, 3]
+
+
+def test_checksums_of_shards_combine_into_the_whole():
+    """Per-epoch sums add up over ranks; the ordered checksum chains the ranks' in rank order."""
+    x, y = torch.randn(10, 3, 4), torch.arange(10)
+    whole, ranks = Checksum(torch.device("cpu")), [Checksum(torch.device("cpu")) for _ in range(2)]
+    for epoch in range(2):
+        order = torch.randperm(10, generator=torch.Generator().manual_seed(epoch))
+        whole.update(x[order], y[order])
+        whole.end_epoch()
+        for r, c in enumerate(ranks):
+            part = Shard(r, 2).take(order)
+            for b in range(0, len(part), 2):
+                c.update(x[part[b:b + 2]], y[part[b:b + 2]])
+            c.end_epoch()
+    combined = combine_ranks([c.result() for c in ranks])
+    assert combined["epoch_checksums"] == whole.result()["epoch_checksums"]
+    assert combined["verified_batches"] == 12  # 2 epochs x 2 ranks x 3 batches
+    assert combined["data_checksum_by_rank"].split(",") == [c.result()["data_checksum"] for c in ranks]
+    swapped = combine_ranks([c.result() for c in reversed(ranks)])
+    assert swapped["data_checksum"] != combined["data_checksum"]  # the ranks' own orders count
+
+
+def test_summaries_combine_into_the_run_figures():
+    a = {"throughput_samples_per_s": 100.0, "timed_wall_s": 2.0, "data_wait_fraction": 0.2, "h2d_GBps": 10.0,
+         "gpu_busy_fraction": 0.5, "total_samples": 250.0, "total_steps": 5.0, "pinned_host_mb": 30.0,
+         "peak_gpu_mem_mb": 7.0, "timed_start_unix_s": 10.0, "timed_end_unix_s": 12.0, "final_loss": 1.5,
+         "h2d_peak_pinned_GBps": 50.0, "median_step_ms": 4.0}
+    b = dict(a, throughput_samples_per_s=50.0, timed_wall_s=4.0, data_wait_fraction=0.4, h2d_GBps=20.0,
+             total_steps=6.0, peak_gpu_mem_mb=9.0, timed_start_unix_s=9.0, timed_end_unix_s=13.0, final_loss=2.0)
+    del b["h2d_peak_pinned_GBps"]
+    out = distributed.combine_summaries([a, b])
+    assert out["throughput_samples_per_s"] == (100 * 2 + 50 * 4) / 4  # all samples over the longest region
+    assert out["aggregate_h2d_GBps"] == 30.0 and out["h2d_GBps"] == 15.0
+    assert out["data_wait_fraction"] == pytest.approx(0.3)
+    assert (out["total_samples"], out["pinned_host_mb"], out["total_steps"], out["peak_gpu_mem_mb"]) == (500, 60, 6, 9)
+    assert (out["timed_start_unix_s"], out["timed_end_unix_s"], out["timed_wall_s"]) == (9.0, 13.0, 4.0)
+    assert out["final_loss"] == 1.5 and out["h2d_peak_pinned_GBps"] == 50.0
+    assert out["rank1/data_wait_fraction"] == 0.4 and out["rank0/h2d_GBps"] == 10.0
+    assert out["rank1/throughput_samples_per_s"] == 50.0
+
+
+class _Store(dict):
+    """The store's calls that `Ranks` makes, in memory (first writer wins, as in TCPStore)."""
+
+    def compare_set(self, key, expected, desired):
+        return self.setdefault(key, desired.encode())
+
+    def set(self, key, value):
+        self[key] = value.encode()
+
+    def check(self, keys):
+        return all(k in self for k in keys)
+
+    def get(self, key):
+        return self[key]
+
+
+def _rank(rank: int, store: _Store) -> distributed.Ranks:
+    ranks = distributed.Ranks.__new__(distributed.Ranks)
+    ranks.rank, ranks.world_size, ranks.store, ranks.key = rank, 2, store, "run1/stop"
+    return ranks
+
+
+def test_the_first_rank_to_stop_decides_how_every_rank_closes():
+    """A rank's own failure stands (and is recorded); an error that follows another rank's failure
+    or interrupt (a lost collective, torchrun's SIGTERM) becomes that rank's verdict."""
+    store = _Store()
+    own = RunFailed("loss became nan at step 40")
+    assert _rank(1, store)._settle(own) is own
+    assert store["run1/stop"] == b"failed|1|loss became nan at step 40" and store.check([distributed.STOPPED_KEY])
+    for error in (Interrupted(signal.SIGTERM), RuntimeError("Connection reset by peer")):
+        settled = _rank(0, store)._settle(error)
+        assert isinstance(settled, distributed.PeerStopped)
+        assert str(settled) == "rank 1 failed: loss became nan at step 40"
+    assert _rank(0, store).stopped_elsewhere() and not _rank(1, store).stopped_elsewhere()
+
+    store = _Store()
+    assert isinstance(_rank(1, store)._settle(Interrupted(signal.SIGINT)), Interrupted)
+    settled = _rank(0, store)._settle(RuntimeError("Connection reset by peer"))
+    assert isinstance(settled, Interrupted) and settled.signum == signal.SIGINT  # Ctrl-C: KILLED, not FAILED
+    crash = _rank(0, _Store())._settle(ValueError("bad\nthing"))
+    assert isinstance(crash, ValueError)
+
+
+def test_launch_time_names_one_folder_for_every_rank(monkeypatch):
+    monkeypatch.setenv(distributed.LAUNCH_TIME_ENV, "2026-01-02T03:04:05.678901")
+    assert distributed.launch_time("%Y-%m-%d/%H-%M-%S-%f") == "2026-01-02/03-04-05-678901"
+    monkeypatch.delenv(distributed.LAUNCH_TIME_ENV)
+    assert distributed.launch_time("%Y") == time.strftime("%Y")
+
+
+def test_jobs_timed_at_once_on_one_device_are_marked(tiny_cfg, tracking_uri):
+    """Windows and devices come from the runs: jobs 0 and 1 overlap on the same GPU, job 2 runs
+    at the same time on another GPU, job 3 on the first GPU after both."""
+    cfg = tiny_cfg()
+    parent_id = sweep.start_parent(cfg.tracking, "by hand", ["loader"], {})
+    for strategy in ("baseline", "pinned", "prefetch", "gpu_resident"):
+        run(tiny_cfg(f"loader={strategy}", f"tracking.parent_run_id={parent_id}"))
+    client = MlflowClient(tracking_uri)
+    _, rows = report.compare(client, client.get_run(parent_id))
+    assert [r["overlap"] for r in rows] == ["", "", "", ""]  # one after another in this process
+    for row, (start, end, devices) in zip(rows, [(0, 10, "h:GPU-a"), (5, 15, "h:GPU-a"), (0, 20, "h:GPU-b"),
+                                                (16, 30, "h:GPU-a,h:GPU-b")]):
+        client.log_metric(row["run_id"], "timed_start_unix_s", start)
+        client.log_metric(row["run_id"], "timed_end_unix_s", end)
+        client.set_tag(row["run_id"], "device_ids", devices)
+    keys, rows = report.compare(client, client.get_run(parent_id))
+    assert [r["overlap"] for r in rows] == ["1", "0", "3", "2"]
+    assert report.overlap_warning(rows).startswith("warning: jobs 0, 1, 2, 3 were timed at the same time")
+    assert "overlap" in report.format_table(keys, rows).splitlines()[0].split()
+
+
+def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_uri, capsys):
+    """The latest sweep of each world size, each job against the same job on one GPU."""
+    client = MlflowClient(tracking_uri)
+    for size in (1, 2):
+        parent_id = sweep.start_parent(tiny_cfg().tracking, f"at {size}", ["loader"], {"world_size": str(size)})
+        for strategy in ("baseline", "pinned"):
+            run(tiny_cfg(f"loader={strategy}", f"tracking.parent_run_id={parent_id}"))
+    sweeps = scaling.latest_sweeps(client, "feedbench")
+    assert list(sweeps) == [1, 2]
+    for r in report.children(client, sweeps[2]):  # figures of two ranks, as rank 0 logs them
+        client.log_metric(r.info.run_id, "throughput_samples_per_s", 3000.0)
+        client.log_metric(r.info.run_id, "aggregate_h2d_GBps", 8.0)
+        client.log_metric(r.info.run_id, "aggregate_h2d_peak_pinned_GBps", 10.0)
+    for r in report.children(client, sweeps[1]):
+        client.log_metric(r.info.run_id, "throughput_samples_per_s", 2000.0)
+        client.log_metric(r.info.run_id, "h2d_GBps", 5.0)
+    rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"))
+    assert [(r["loader"], r["gpus"]) for r in rows] == [("baseline", 1), ("baseline", 2), ("pinned", 1), ("pinned", 2)]
+    two = rows[1]
+    assert (two["× 1 GPU"], two["efficiency"], two["copy × 1 GPU"], two["of ceiling"]) == (1.5, 0.75, 1.6, 0.8)
+    assert rows[0]["× 1 GPU"] == 1.0 and rows[0]["ceiling GB/s"] is None  # no CUDA: no ceiling measured
+    assert scaling.main(["--uri", tracking_uri, "--experiment", "feedbench", "--markdown", str(Path(tracking_uri[10:]).parent / "s.md")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("feedbench: sweeps at 1, 2 GPU(s)") and out[1].split()[:4] == ["loader", "model", "gpus", "status"]
+    assert scaling.main(["--uri", tracking_uri, "--experiment", "nope"]) == 2
+
+
+# -- real torchrun ------------------------------------------------------------------------------
+_started = []
+
+
+def torchrun(tmp_path: Path, uri: str, *args: str, nproc: int = 2, **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
+           "-m", "trainer", *args, f"tracking.uri={uri}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    _started.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks (own session, below)
+            proc.communicate(timeout=30)
+
+
+def ranks_of(pid: int, timeout: float = 60) -> dict:
+    """RANK -> pid of the workers torchrun `pid` started."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = {}
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            for child in (task / "children").read_text().split():
+                env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                rank = [e[5:].decode() for e in env if e.startswith(b"RANK=")]
+                if rank:
+                    found[int(rank[0])] = int(child)
+        if len(found) == 2:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("torchrun started no ranks")
+
+
+def alive(pids) -> list:
+    return [p for p in pids if Path(f"/proc/{p}").exists() and b") Z " not in Path(f"/proc/{p}/stat").read_bytes()]
+
+
+def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path, tracking_uri, tiny_cfg):
+    """`torchrun --nproc_per_node=2 -m trainer -m ...` with gloo: job 0 has a bad value (printed
+    once; every rank goes on to the next job), job 1 trains with DDP and finishes: one FINISHED
+    run tagged world_size=2 whose epoch checksums equal a single process's. Job 2's shards give
+    the ranks different numbers of steps: DDP's join lets the longer one finish."""
+    proc = torchrun(tmp_path, tracking_uri, "-m", "loader.batch_size=0,16,25", *SMALL, "engine.epochs=2",
+                    "engine.verify=true", f"hydra.sweep.dir={tmp_path}/sweep/${{launch_time:%H-%M-%S-%f}}",
+                    start_new_session=True)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0, err  # Hydra reports the failed job at the end of the sweep
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [
+        "error: loader.batch_size must be >= 1 (got 0): set loader.batch_size=64"], err
+    assert len(list((tmp_path / "sweep").iterdir())) == 1  # one output folder for both ranks
+
+    found = all_runs(tracking_uri)
+    parent, failed, done, uneven = sorted(found, key=lambda r: (r.data.tags.get("sweep") != "true",
+                                                                r.data.params.get("loader.batch_size")))
+    assert parent.data.tags["sweep"] == "true" and parent.data.tags["world_size"] == "2"
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in (failed, done, uneven))
+    assert (failed.info.status, done.info.status, uneven.info.status) == ("FAILED", "FINISHED", "FINISHED")
+    assert uneven.data.tags["steps_per_rank"] == "6,4" and uneven.data.metrics["total_samples"] == 202
+    assert "loader.batch_size" in failed.data.tags["error"]
+    assert (done.data.tags["world_size"], done.data.tags["backend"], done.data.tags["steps_per_rank"]) == ("2", "gloo", "8,8")
+    m = done.data.metrics
+    assert m["total_samples"] == 202 and m["total_steps"] == 8
+    assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "gpu_busy_fraction")} <= set(m)
+    assert m["aggregate_h2d_GBps"] == m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
+    assert len(steps_csv(tracking_uri, done.info.run_id)) == 8
+    assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}
+
+    single = tiny_cfg(*SMALL, "loader.batch_size=16", "engine.epochs=2", "engine.verify=true", "tracking.experiment=single")
+    assert run(single)["total_samples"] == 202
+    (alone,) = all_runs(tracking_uri, "single")
+    assert alone.data.tags["world_size"] == "1"
+    epochs = ast.literal_eval(done.data.tags["epoch_checksums"])
+    assert epochs == ast.literal_eval(alone.data.tags["epoch_checksums"]) and len(epochs) == 2
+    assert (int(done.data.tags["verified_batches"]), int(alone.data.tags["verified_batches"])) == (16, 14)
+
+
+def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking_uri):
+    """Rank 1's DataLoader worker dies mid-run: rank 1 fails, torchrun stops rank 0, and rank 0
+    closes the run FAILED with rank 1's error and the steps it measured."""
+    proc = torchrun(tmp_path, tracking_uri, *LONG, "loader.num_workers=1", f"hydra.run.dir={tmp_path}/run",
+                    start_new_session=True)
+    (r,) = wait_for_running(tracking_uri, proc, settle=6)
+    ranks = ranks_of(proc.pid)
+    deadline = time.monotonic() + 60
+    while not (workers := Path(f"/proc/{ranks[1]}/task/{ranks[1]}/children").read_text().split()):
+        assert time.monotonic() < deadline, "rank 1 started no DataLoader worker"
+        time.sleep(0.1)
+    os.kill(int(workers[0]), signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not alive(ranks.values())
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: rank 1 failed: "), err
+    assert f"(run {r.info.run_id} marked FAILED)" in errors[0]
+    r = MlflowClient(tracking_uri).get_run(r.info.run_id)
+    assert r.info.status == "FAILED" and r.data.tags["error"].startswith("PeerStopped: rank 1 failed: ")
+    assert len(steps_csv(tracking_uri, r.info.run_id)) == r.data.metrics["total_steps"] >= 1
+    assert len(all_runs(tracking_uri)) == 1  # rank 1 recorded nothing of its own
+
+
+def test_ctrl_c_under_torchrun_marks_the_run_killed(tmp_path, tracking_uri):
+    """torchrun forwards SIGINT to every rank: the run is KILLED with its steps, all ranks exit."""
+    proc = torchrun(tmp_path, tracking_uri, *LONG, f"hydra.run.dir={tmp_path}/run", start_new_session=True)
+    (r,) = wait_for_running(tracking_uri, proc, settle=6)
+    ranks = ranks_of(proc.pid)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not alive(ranks.values())
+    assert err.count("interrupted by SIGINT") == 1, err  # printed once, by rank 0
+    r = MlflowClient(tracking_uri).get_run(r.info.run_id)
+    assert r.info.status == "KILLED" and r.data.tags["interrupted_by"] == "SIGINT"
+    assert len(steps_csv(tracking_uri, r.info.run_id)) == r.data.metrics["total_steps"] >= 1

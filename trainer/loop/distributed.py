@@ -1,0 +1,491 @@
+"""Several processes under torchrun: one rank per process, one MLflow run per experiment.
+
+`torchrun --nproc_per_node=N -m trainer ...` starts N copies of the entry point, the *ranks*.
+Each one:
+
+- joins one process group (`launch`, called by the entry point before Hydra composes the
+  config): gloo for CPU tensors, NCCL for CUDA ones. The ranks agree there on one launch time,
+  so `${launch_time:}` in Hydra's output folders names one folder for all of them, and on the
+  host threads each rank uses;
+- takes its own device, `cuda:LOCAL_RANK`, made current before anything touches CUDA (a
+  DataLoader's pin-memory thread adopts the device current when its iterator starts: without
+  this, every rank would leave a context on GPU 0), and its own `Shard` of every epoch;
+- trains a DistributedDataParallel model; only rank 0 opens the MLflow run;
+- after the loop, never inside it, sends its meter's summary to rank 0 (`Ranks.combine`) over
+  a gloo group of their own, whose collectives time out after `distributed.timeout_s`.
+
+Errors end every rank, printed once:
+- a bad value, or anything raised while the parts are built, ends the block on every rank
+  (`Ranks.agree`: the ranks exchange their verdicts), and rank 0 prints it;
+- a rank that fails later (an exception, a NaN loss) or is interrupted writes why into the
+  process group's store (first writer wins) and exits; torchrun then stops the others. Each of
+  them, whatever it was doing (blocked in a collective that lost a peer, or stopped by
+  torchrun's SIGTERM), reads the store (`Ranks.guard`): rank 0 closes the run FAILED with the
+  failing rank's message (KILLED after Ctrl-C) and keeps what it measured. No collective runs
+  after a failure, so no rank waits for one that has left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from trainer.errors import ConfigError, Interrupted, RunFailed
+from trainer.loaders.order import Shard
+from trainer.loop.verify import combine_ranks
+from trainer.tools.limits import h2d_burst
+
+LAUNCH_TIME_ENV = "FEEDBENCH_LAUNCH_TIME"  # rank 0's launch time, read by the `launch_time` resolver
+GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
+PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "gpu_busy_fraction",
+            "median_step_ms", "timed_wall_s")
+STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
+DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
+_launched_store = None  # the store, kept past the process group's end
+_groups: Dict[float, object] = {}  # the ranks' own gloo groups, by timeout
+_runs = 0  # runs this process has started: the store keys of each run are its own
+
+
+def adopt_submitit_tasks() -> None:
+    """In a job of Hydra's submitit launcher with several tasks (`hydra.launcher.tasks_per_node=N`,
+    e.g. N GPUs of a Slurm node), the tasks are the ranks: set torchrun's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) from submitit's, and the rest runs as under torchrun."""
+    if "WORLD_SIZE" in os.environ or not os.environ.get("SUBMITIT_EXECUTOR"):
+        return
+    import submitit
+
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
+def world() -> Tuple[int, int, int, int]:
+    """(rank, world size, local rank, ranks on this host), as torchrun sets them; (0, 1, 0, 1) alone."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return (int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")),
+            int(os.environ.get("LOCAL_WORLD_SIZE", str(size))))
+
+
+def is_main_process() -> bool:
+    """Rank 0, or the only process: the one that records runs and prints errors."""
+    return world()[0] == 0
+
+
+def launch() -> None:
+    """Under torchrun (WORLD_SIZE > 1): set this rank's host threads, join the process group and
+    take rank 0's launch time. Does nothing in a single process, or when already done."""
+    rank, size, _, local_size = world()
+    if size <= 1 or dist.is_initialized():
+        return
+    set_threads(local_size)
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    global _launched_store
+    store = _launched_store = _store()
+    if rank == 0:
+        store.set("feedbench/launch_time", datetime.now().isoformat())
+        atexit.register(_main_done)  # registered first, so it runs last: after a sweep's own exit hooks
+    os.environ[LAUNCH_TIME_ENV] = store.get("feedbench/launch_time").decode()  # waits for rank 0
+
+
+def finish() -> None:
+    """At the end of the process (the entry point's last step). After a failure or interrupt
+    anywhere (recorded in the store), leave at once. Otherwise the other ranks wait for rank 0
+    to be done, to its very exit (it may still close a sweep's parent run then): a rank that
+    exits first, even with an error every rank shares, makes torchrun stop rank 0 half-way.
+    Then each leaves the process group."""
+    store = _launched_store
+    if store is None or not dist.is_initialized():
+        return
+    try:
+        while not is_main_process() and not store.check([DONE_KEY]) and not store.check([STOPPED_KEY]):
+            time.sleep(0.1)
+        if store.check([STOPPED_KEY]):
+            # torchrun's SIGTERM is on its way: it must not cut short what is left (a sweep's
+            # parent run is closed at exit), and this process is ending anyway.
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            return
+    except Exception:  # the store went with torchrun's agent: nothing left to wait for
+        return
+    dist.destroy_process_group()
+
+
+def _main_done() -> None:
+    try:
+        _launched_store.set(DONE_KEY, "1")
+    except Exception:
+        pass
+
+
+def quiet_other_ranks() -> None:
+    """Under torchrun only rank 0 speaks: the other ranks' Python output (Hydra's log lines, its
+    report of a failed job, a progress bar) would repeat rank 0's. Their errors reach rank 0
+    through the store. HYDRA_FULL_ERROR=1 keeps every rank's output, with full traces."""
+    if world()[1] > 1 and not is_main_process() and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        sys.stdout = sys.stderr = open(os.devnull, "w")
+
+
+def launch_time(pattern: str) -> str:
+    """`${launch_time:%H-%M-%S}`: rank 0's start under torchrun (one output folder for every
+    rank, where `${now:}` would differ between them), else now."""
+    stamp = os.environ.get(LAUNCH_TIME_ENV)
+    return (datetime.fromisoformat(stamp) if stamp else datetime.now()).strftime(pattern)
+
+
+def set_threads(ranks_on_host: int) -> None:
+    """torchrun sets OMP_NUM_THREADS=1 for its workers unless it was set already. One intra-op
+    thread starves a rank that trains or collates on the CPU, so when torchrun chose it, each
+    rank gets its share of the cores this host gives the job; a value you set is kept."""
+    if "OMP_NUM_THREADS" not in _parent_environment():
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // max(1, ranks_on_host)))
+
+
+def _parent_environment() -> Dict[str, str]:
+    """The launching torchrun's environment (Linux); unreadable: assume the value was set by hand."""
+    try:
+        raw = open(f"/proc/{os.getppid()}/environ", "rb").read()
+    except OSError:
+        return {"OMP_NUM_THREADS": "?"}
+    return dict(item.decode(errors="replace").partition("=")[::2] for item in raw.split(b"\0") if item)
+
+
+def _describe(error: BaseException) -> str:
+    """An error on one line; feedbench's own errors need no type name (their message says it all)."""
+    text = " ".join(str(error).split())
+    return text if isinstance(error, (ConfigError, RunFailed)) else f"{type(error).__name__}: {text}"
+
+
+def _store():
+    # The process group's key-value store, hosted by torchrun's agent: it outlives any rank.
+    return dist.distributed_c10d._get_default_store()
+
+
+def device_id(device: torch.device) -> str:
+    """What two jobs share when they run on the same device: host and GPU (by UUID, whatever
+    CUDA_VISIBLE_DEVICES numbers it), or host and `cpu`."""
+    host = socket.gethostname()
+    if device.type != "cuda":
+        return f"{host}:cpu"
+    props = torch.cuda.get_device_properties(device)
+    return f"{host}:GPU-{getattr(props, 'uuid', device.index)}"
+
+
+class PeerStopped(RunFailed):
+    """Another rank failed: this one stops too (the message names the rank and its error)."""
+
+
+class _LossForward(nn.Module):
+    """The model's `loss(x, y)` as `forward`: DDP averages gradients only for what runs through it."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, y):
+        return self.model.loss(x, y)
+
+
+class DistributedModel(DistributedDataParallel):
+    """A DDP-wrapped model with the `loss(x, y)` the step calls."""
+
+    def loss(self, x, y):
+        return self(x, y)
+
+
+class Ranks:
+    """This process's place among the ranks of one run; a world of one without torchrun, where
+    every method does what a single process needs (nothing, mostly)."""
+
+    def __init__(self, cfg):
+        """`cfg`: the `distributed` config section."""
+        adopt_submitit_tasks()
+        self.rank, self.world_size, self.local_rank, self.local_world_size = world()
+        self.shard = Shard(self.rank, self.world_size)
+        self.backend = "none"
+        self.device_: Optional[torch.device] = None
+        self.group = self.store = self._watch = None
+        if not self.enabled:
+            return
+        launch()
+        global _runs
+        _runs += 1
+        self.key = f"feedbench/run{_runs}/stop"
+        self.store = _store()
+        if cfg.timeout_s not in _groups:  # created by every rank alike, once per timeout
+            _groups[cfg.timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
+        self.group = _groups[cfg.timeout_s]
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- before the run ------------------------------------------------------------------------
+    def device(self, device: torch.device) -> torch.device:
+        """This rank's device: `cuda:LOCAL_RANK`, made current now, before any loader exists."""
+        if self.enabled and device.type == "cuda":
+            count = torch.cuda.device_count()
+            if self.local_rank >= count:
+                raise ConfigError(f"torchrun started {self.local_world_size} processes on this host but it has {count} "
+                                  f"GPU(s): set --nproc_per_node={count} (or engine.device=cpu)")
+            device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)
+        if self.enabled:
+            self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.device_ = device
+        return device
+
+    def validate(self, cfg) -> None:
+        if self.enabled and cfg.engine.cuda_graph:
+            raise ConfigError(f"engine.cuda_graph=true is not supported with several ranks (got {self.world_size}): "
+                              "DDP's gradient all-reduce is not captured: set engine.cuda_graph=false")
+
+    def tags(self) -> Dict[str, str]:
+        tags = {"world_size": str(self.world_size), "backend": self.backend, "torch_threads": str(torch.get_num_threads())}
+        if self.device_ is not None:
+            tags["device_ids"] = device_id(self.device_)
+        return tags
+
+    @contextlib.contextmanager
+    def agree(self):
+        """Run a block on every rank and compare verdicts: an exception on any rank ends the block
+        on all of them, each raising it (the rank that raised it its own, the others its
+        message, prefixed by the rank). Marked `agreed`: every rank knows, so a sweep may go on."""
+        if not self.enabled:
+            yield
+            return
+        error: Optional[Exception] = None
+        try:
+            yield
+        except Exception as e:  # a KeyboardInterrupt is not exchanged: it ends the process
+            error = e
+        verdict = None if error is None else (_describe(error), isinstance(error, ConfigError))
+        failed = [(r, v) for r, v in enumerate(self._all_gather(verdict)) if v is not None]
+        if not failed:
+            return
+        if error is None:
+            r, (text, config) = failed[0]
+            error = (ConfigError if config else PeerStopped)(f"rank {r}: {text}")
+        error.agreed = True
+        raise error
+
+    def tracker(self, make: Callable[[], object]):
+        """The run's tracker: `make()` on rank 0, a tracker that records nothing elsewhere."""
+        from trainer.tracking.runs import NoTracker
+
+        with self.agree():
+            return make() if self.is_main else NoTracker()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """DistributedDataParallel around the model; unchanged alone, or when it has no
+        parameters (nothing to average)."""
+        if not self.enabled or not any(p.requires_grad for p in model.parameters()):
+            return model
+        ids = [self.device_.index] if self.device_.type == "cuda" else None
+        return DistributedModel(_LossForward(model), device_ids=ids)
+
+    def uneven(self, model: nn.Module, batches_per_rank: List[int], engine) -> contextlib.AbstractContextManager:
+        """Ranks whose shards give them different numbers of steps would leave DDP's all-reduce
+        waiting for a rank that has finished: then train under DDP's `join()`, which stands in
+        for finished ranks (at the cost of one more small all-reduce per step)."""
+        def steps(b: int) -> int:
+            return min(engine.epochs * b, engine.max_steps) if engine.max_steps else engine.epochs * b
+        if len({steps(b) for b in batches_per_rank}) <= 1 or not isinstance(model, DistributedModel):
+            return contextlib.nullcontext()
+        return model.join()
+
+    # -- faults --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def guard(self):
+        """Around the open run. A failure or interrupt of this rank is written to the store (first
+        writer wins) before it propagates; one caused by another rank's failure (a collective
+        that lost its peer, torchrun's SIGTERM) becomes that rank's error, so the run closes
+        FAILED with its message (or KILLED when that rank was interrupted)."""
+        if not self.enabled:
+            yield
+            return
+        if self.backend == "nccl":
+            self._watch = _PeerWatch(self)
+        try:
+            yield
+        except BaseException as e:
+            if getattr(e, "agreed", False) or isinstance(e, (SystemExit, GeneratorExit)):
+                raise
+            settled = self._settle(e)
+            if settled is e:
+                raise
+            raise settled from e
+        finally:
+            if self._watch is not None:
+                self._watch.stop()
+
+    def _settle(self, error: BaseException) -> BaseException:
+        if isinstance(error, KeyboardInterrupt):
+            mine = f"interrupted|{self.rank}|{getattr(error, 'signum', signal.SIGINT)}"
+        else:
+            mine = f"failed|{self.rank}|{_describe(error)}"
+        try:
+            first = self.store.compare_set(self.key, "", mine).decode()
+            self.store.set(STOPPED_KEY, "1")
+        except Exception:  # the store is gone (torchrun is exiting): this rank's own error stands
+            return error
+        kind, rank, what = first.split("|", 2)
+        if int(rank) == self.rank:
+            return error
+        if kind == "interrupted":
+            return Interrupted(int(what))
+        return PeerStopped(f"rank {rank} failed: {what}")
+
+    def stopped_elsewhere(self) -> Optional[str]:
+        """The record of another rank's failure or interrupt, if there is one (never blocks)."""
+        try:
+            if not self.store.check([self.key]):
+                return None
+            first = self.store.get(self.key).decode()
+        except Exception:
+            return None
+        return first if int(first.split("|", 2)[1]) != self.rank else None
+
+    # -- after the loop (every rank finished it) -----------------------------------------------
+    def ceilings(self, alone: Callable[[], dict], nbytes: int) -> dict:
+        """The copy ceilings: `alone()` (rank 0 by itself while the others wait: the single-GPU
+        figure), then every rank copying `nbytes` batches at once for ~4 GiB, added up over the
+        span they shared on each host: `aggregate_h2d_peak_pinned_GBps`."""
+        if not self.enabled:
+            return alone()
+        out = alone() if self.is_main else {}
+        self._barrier()
+        if self.device_.type != "cuda" or not nbytes:
+            return out
+        start, end, copied = h2d_burst(nbytes, self.device_, line_up=self._barrier)
+        spans = self._gather((socket.gethostname(), start, end, copied))
+        if self.is_main:
+            hosts: Dict[str, list] = {}
+            for host, *span in spans:
+                hosts.setdefault(host, []).append(span)
+            out["aggregate_h2d_peak_pinned_GBps"] = sum(
+                sum(b for _, _, b in s) / ((max(e for _, e, _ in s) - min(a for a, _, _ in s)) * 1e9) for s in hosts.values())
+        return out
+
+    def combine(self, summary: dict, rows: List[dict], verified: Optional[dict], tracker) -> Tuple[dict, Optional[dict]]:
+        """Every rank's summary (and checksums, and steps) to rank 0, which records the run's:
+        see `combine_summaries`; `verified` becomes the ranks' combined checksums. Alone:
+        unchanged."""
+        if not self.enabled:
+            return summary, verified
+        mine = {"summary": summary, "verified": verified, "device": device_id(self.device_),
+                "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
+        everyone = self._gather(mine)
+        if not self.is_main:
+            return summary, verified
+        tracker.set_tags({"device_ids": ",".join(dict.fromkeys(e["device"] for e in everyone)),
+                          "steps_per_rank": ",".join(str(len(e["rows"])) for e in everyone)})
+        for r, e in enumerate(everyone[1:], start=1):
+            tracker.log_rows(e["rows"], f"steps_rank{r}.csv")
+        if verified is not None:
+            verified = combine_ranks([e["verified"] for e in everyone])
+        return combine_summaries([e["summary"] for e in everyone]), verified
+
+    # -- collectives on the ranks' own gloo group ----------------------------------------------
+    def _all_gather(self, obj) -> list:
+        out = [None] * self.world_size
+        self._collective(lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def _gather(self, obj) -> list:
+        out = [None] * self.world_size if self.is_main else None
+        self._collective(lambda: dist.gather_object(obj, out, dst=0, group=self.group))
+        return out
+
+    def _barrier(self) -> None:
+        self._collective(lambda: dist.barrier(group=self.group))
+
+    def _collective(self, fn: Callable[[], None]) -> None:
+        """A collective that fails (a rank left, or it timed out) raises the reason the store
+        gives: that rank's failure or interrupt."""
+        try:
+            fn()
+        except Exception as e:
+            settled = self._settle(e)
+            if settled is e:
+                raise RunFailed(f"lost contact with the other ranks: {' '.join(str(e).split())[:500]}") from e
+            raise settled from e
+
+
+class _PeerWatch:
+    """NCCL only: a rank blocked in a collective whose peer has died waits in a GPU kernel, where
+    neither a Python signal handler nor torchrun's SIGTERM reaches it before its SIGKILL. This
+    thread polls the store and, when another rank has failed, aborts the process group, which
+    ends the wait with an error: the run then closes as FAILED with what it measured."""
+
+    def __init__(self, ranks: Ranks, every_s: float = 0.5):
+        self.ranks, self.every_s = ranks, every_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="feedbench-peer-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            if self.ranks.stopped_elsewhere():
+                abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+                if abort is not None:
+                    try:
+                        abort()
+                    except Exception as e:  # the collective will still time out
+                        print(f"warning: could not abort the process group: {e}", file=sys.stderr)
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+
+
+def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
+    """The run's summary from every rank's, in rank order.
+
+    - `throughput_samples_per_s`: every rank's timed samples over the longest timed region;
+    - `aggregate_h2d_GBps`: the ranks' copy bandwidths added (each is bytes over the time its
+      own copies took): what the host delivered while they all copied;
+    - `total_samples`, `pinned_host_mb`: added; `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
+      `timed_wall_s`: the largest; the timed region: from the first start to the last end;
+    - `final_loss` and the copy ceilings: rank 0's; every other figure: the mean over ranks;
+    - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, GPU busy, median step.
+    """
+    out: Dict[str, float] = {}
+    keys = [k for k in summaries[0] if all(k in s for s in summaries)]
+    for k in keys:
+        values = [float(s[k]) for s in summaries]
+        out[k] = sum(values) / len(values)
+    walls = [s.get("timed_wall_s", 0.0) for s in summaries]
+    if "throughput_samples_per_s" not in out:
+        pass  # warm-up covered every step: nothing was timed
+    elif max(walls) > 0:
+        out["throughput_samples_per_s"] = sum(s["throughput_samples_per_s"] * w for s, w in zip(summaries, walls)) / max(walls)
+    else:
+        out["throughput_samples_per_s"] = sum(s["throughput_samples_per_s"] for s in summaries)
+    out["aggregate_h2d_GBps"] = sum(s.get("h2d_GBps", 0.0) for s in summaries)
+    for k, how in (("total_samples", sum), ("pinned_host_mb", sum), ("total_steps", max), ("peak_gpu_mem_mb", max),
+                   ("setup_s", max), ("timed_wall_s", max), ("timed_start_unix_s", min), ("timed_end_unix_s", max)):
+        if k in out:
+            out[k] = how(s[k] for s in summaries)
+    for k, v in summaries[0].items():
+        if k == "final_loss" or k.startswith("h2d_peak_"):
+            out[k] = v
+    for r, s in enumerate(summaries):
+        out.update({f"rank{r}/{k}": s[k] for k in PER_RANK if k in s})
+    return out

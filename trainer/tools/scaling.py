@@ -1,0 +1,123 @@
+"""`python -m trainer.tools.scaling`: one table of a preset's sweeps at several GPU counts.
+
+Each torchrun launch of a sweep (`torchrun --nproc_per_node=N -m trainer -m experiment=multi_gpu`)
+is one MLflow parent run tagged `world_size=N`. This reads the latest sweep of each world size in
+an experiment and lines up every job (strategy, model) across them:
+
+- *samples/s*: all ranks' samples over the timed region; *× 1 GPU* that over the same job on one
+  GPU, and *efficiency* that over N (1.00 = perfect scaling);
+- *copy GB/s*: the ranks' copy bandwidths added (`aggregate_h2d_GBps`); *× 1 GPU* likewise;
+- *ceiling GB/s*: every rank copying pinned batches at once (`aggregate_h2d_peak_pinned_GBps`;
+  on one GPU: `h2d_peak_pinned_GBps`), and *of ceiling* the copy bandwidth over it;
+- *data wait* and *GPU busy*: means over the ranks; *overlap*: jobs timed at the same time on a
+  shared device (their figures are not to be trusted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+
+from trainer.errors import ConfigError
+from trainer.tracking import report
+
+COLUMNS = ("loader", "model", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
+           "ceiling GB/s", "of ceiling", "data wait", "GPU busy", "overlap")
+NUMERIC = set(COLUMNS[4:13])
+
+
+def latest_sweeps(client: MlflowClient, experiment: str) -> Dict[int, Run]:
+    """world size -> the newest sweep (parent run) launched with it, in `experiment`."""
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise ConfigError(f"no experiment {experiment!r} in this store: run `bash docs/multi_gpu.sh` first or pass --experiment")
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.sweep = 'true'",
+                                 order_by=["attributes.start_time DESC"], max_results=1000)
+    found: Dict[int, Run] = {}
+    for p in parents:
+        found.setdefault(int(p.data.tags.get("world_size", "1")), p)
+    if not found:
+        raise ConfigError(f"no sweep in experiment {experiment!r}: run `bash docs/multi_gpu.sh` first")
+    return dict(sorted(found.items()))
+
+
+def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run]) -> List[Dict[str, object]]:
+    """One row per (strategy, model, world size), grouped by job, against the one-GPU figures."""
+    jobs: Dict[tuple, Dict[int, Run]] = {}
+    overlaps: Dict[str, List[str]] = {}
+    for size, parent in sweeps.items():
+        runs = report.children(client, parent)
+        overlaps.update(report.overlapping(runs))
+        for r in runs:
+            jobs.setdefault((r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?")), {})[size] = r
+    rows = []
+    for (loader, model), by_size in jobs.items():
+        one = by_size.get(1)
+        one_m = one.data.metrics if one is not None and one.info.status == "FINISHED" else {}
+        for size, r in sorted(by_size.items()):
+            m = r.data.metrics if r.info.status == "FINISHED" else {}
+            thr, copy = m.get("throughput_samples_per_s"), m.get("aggregate_h2d_GBps", m.get("h2d_GBps"))
+            ceiling = m.get("aggregate_h2d_peak_pinned_GBps", m.get("h2d_peak_pinned_GBps"))
+            base_thr = one_m.get("throughput_samples_per_s")
+            base_copy = one_m.get("aggregate_h2d_GBps", one_m.get("h2d_GBps"))
+            speedup = thr / base_thr if thr and base_thr else None
+            rows.append({"loader": loader, "model": model, "gpus": size, "status": r.info.status,
+                         "samples/s": thr, "× 1 GPU": speedup, "efficiency": speedup / size if speedup else None,
+                         "copy GB/s": copy, "copy × 1 GPU": copy / base_copy if copy and base_copy else None,
+                         "ceiling GB/s": ceiling, "of ceiling": copy / ceiling if copy and ceiling else None,
+                         "data wait": m.get("data_wait_fraction"), "GPU busy": m.get("gpu_busy_fraction"),
+                         "overlap": "yes" if overlaps.get(r.info.run_id) else ""})
+    return rows
+
+
+def _cell(column: str, value) -> str:
+    if value is None or value == "":
+        return "–" if column in NUMERIC else ""
+    if column == "samples/s":
+        return f"{value:,.0f}"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def to_text(rows: Sequence[dict]) -> str:
+    cells = [[_cell(c, r.get(c)) for c in COLUMNS] for r in rows]
+    widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(COLUMNS)]
+
+    def line(values):
+        return "  ".join(v.rjust(w) if c in NUMERIC else v.ljust(w) for v, w, c in zip(values, widths, COLUMNS)).rstrip()
+    return "\n".join([line(COLUMNS), line(["-" * w for w in widths])] + [line(c) for c in cells])
+
+
+def to_markdown(rows: Sequence[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---:" if c in NUMERIC else "---" for c in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cell(c, r.get(c)) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.tools.scaling", description=__doc__.splitlines()[0])
+    p.add_argument("--uri", help="MLflow tracking URI (default: the project's outputs/mlflow.db)")
+    p.add_argument("--experiment", default="multi_gpu", help="the experiment holding the sweeps (default: multi_gpu)")
+    p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
+    args = p.parse_args(argv)
+    try:
+        client, uri = report.open_store(args.uri)
+        sweeps = latest_sweeps(client, args.experiment)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = scaling_rows(client, sweeps)
+    print(f"{args.experiment}: sweeps at {', '.join(str(n) for n in sweeps)} GPU(s) in {uri}")
+    print(to_text(rows))
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(to_markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
