@@ -26,7 +26,7 @@ import torch
 
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders.base import DeviceLoader, check_host_fits, chunk_samples_for, pinned_empty
-from trainer.loaders.order import epoch_order
+from trainer.loaders.order import Shard, epoch_shard
 from trainer.loaders.stream import SideStreamCopier
 
 THREAD_PREFIX = "pinned-gather"  # the worker threads' names start with this
@@ -35,8 +35,8 @@ THREAD_PREFIX = "pinned-gather"  # the worker threads' names start with this
 class PinnedGatherLoader(DeviceLoader):
     needs_cuda = True
 
-    def __init__(self, cfg, dataset, device, seed=0):
-        super().__init__(cfg, dataset, device, seed)
+    def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
+        super().__init__(cfg, dataset, device, seed, shard)
         for key, value, fix in (("depth", cfg.depth, 1), ("threads", cfg.threads, 4)):
             if value < 1:
                 raise ConfigError(f"loader.{key} must be >= 1 (got {value}): set loader.{key}={fix}")
@@ -95,7 +95,7 @@ class PinnedGatherLoader(DeviceLoader):
         """`(epoch, batch, rows)` of every batch from `epoch` on, epoch after epoch."""
         b, count = self.cfg.batch_size, len(self)
         while count:
-            order = epoch_order(len(self.x), self.cfg.shuffle, self.seed, epoch).numpy()
+            order = epoch_shard(len(self.x), self.cfg.shuffle, self.seed, epoch, self.shard).numpy()  # this rank's
             for i in range(count):
                 yield epoch, i, order[i * b:(i + 1) * b]
             epoch += 1
