@@ -63,7 +63,7 @@ class LightningMeter(StepMeter):
     # after that (Lightning's copy), of the step's own code, of feedbench's bookkeeping
     WAIT, RECEIVED, COPY_S, STEP_S, BOOKS_S = range(5)
 
-    def __init__(self, device: torch.device, warmup_steps: int, capacity: int):
+    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096):
         super().__init__(device, warmup_steps, capacity)
         self.marks: List[list] = []  # one per started step
         self._mark: Optional[list] = None  # the current step's, from the start of its wait

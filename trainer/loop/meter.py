@@ -72,7 +72,7 @@ class StepMeter:
     summaries; `start_timed()` is called once, after them. `capacity` is the number of steps the
     loop plans to take: storage for them is allocated here, before the loop."""
 
-    def __init__(self, device: torch.device, warmup_steps: int, capacity: int):
+    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096):
         self.device, self.warmup_steps = device, warmup_steps
         self.cuda = device.type == "cuda"
         self.epoch = 0

@@ -146,10 +146,11 @@ class Tracker:
 
     def log_rows(self, rows: List[dict], name: str) -> None:
         """Per-step rows as a CSV artifact (`steps.csv`; another rank's: `steps_rank1.csv`)."""
+        extra = [k for k in (rows[0] if rows else {}) if k not in STEP_COLUMNS and not k.startswith("_")]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name
             with path.open("w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=STEP_COLUMNS + extra, extrasaction="ignore")
+                w = csv.DictWriter(f, fieldnames=list(STEP_COLUMNS) + extra, extrasaction="ignore")
                 w.writeheader()
                 w.writerows(rows)
             mlflow.log_artifact(str(path))
