@@ -12,8 +12,9 @@ FEEDBENCH = True  # marks this package as feedbench's own, not Hugging Face's
 
 def build_dataset(cfg) -> FeedDataset:
     """Build the dataset named by `cfg.name` from its own config section."""
-    from datasets.synthetic import SyntheticDataset
+    if cfg.name == "synthetic":  # torchvision (a second of imports) only for the datasets that need it
+        from datasets.synthetic import SyntheticDataset
+        return SyntheticDataset(cfg)
     from datasets.vision import Cifar10, Mnist
 
-    registry = {"synthetic": SyntheticDataset, "mnist": Mnist, "cifar10": Cifar10}
-    return registry[cfg.name](cfg)
+    return {"mnist": Mnist, "cifar10": Cifar10}[cfg.name](cfg)

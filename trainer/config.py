@@ -195,6 +195,7 @@ class EngineConfig:
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
+    steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 

@@ -13,6 +13,7 @@ from datasets import build_dataset
 from models import build_model
 from trainer.loop.engine import planned_steps, train
 from trainer.tools.environment import describe
+from trainer.tools.heap import keep_freed
 from trainer.errors import ConfigError
 from trainer.loop.distributed import Ranks
 from trainer.loop.faults import StopSignals, explain_faults
@@ -48,11 +49,15 @@ def run(cfg) -> dict:
         ranks.validate(cfg)
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
+    # Before anything is allocated for the run: whether batch buffers are reused or faulted in
+    # anew every step must not depend on what this process did before (trainer.tools.heap).
+    heap = ("true" if keep_freed() else "unavailable") if cfg.engine.steady_heap else "false"
     mem_base = gpu_memory_baseline(device)
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
             "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
             "cuda_version": str(torch.version.cuda),
-            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", **ranks.tags()}
+            "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", "steady_heap": heap,
+            **ranks.tags()}
     with StopSignals() as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, ranks.guard(), explain_faults(cfg):
         stop.arm()  # SIGINT/SIGTERM now stop the run (KILLED); while it opens or saves, they wait
         tracker.log_environment(describe(device))

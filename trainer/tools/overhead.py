@@ -26,11 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
 from hydra import compose, initialize_config_dir
-from mlflow.tracking import MlflowClient
 
 from trainer.config import PROJECT_ROOT
 
@@ -54,6 +54,7 @@ def _run(cmd: List[str], cwd: Path) -> subprocess.CompletedProcess:
 
 def engine_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
     """One `python -m trainer` run; its summary read back from MLflow."""
+    from mlflow.tracking import MlflowClient  # here: the plain loop composes its config through this module
     uri = f"sqlite:///{tmp / 'overhead.db'}"
     _run([sys.executable, "-m", "trainer", *overrides, f"tracking.uri={uri}", "tracking.experiment=overhead",
           f"hydra.run.dir={tmp / 'hydra'}"], tmp)
@@ -72,10 +73,14 @@ def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[st
     """`repeats` alternating engine/plain pairs for one variant; medians and per-pair ratios."""
     engine, plain = [], []
     for r in range(repeats):
+        t0 = time.perf_counter()
         engine.append(engine_run(overrides, tmp))
+        t1 = time.perf_counter()
         plain.append(plain_run(overrides, tmp))
+        t2 = time.perf_counter()
         e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
-        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f}")
+        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f} "
+            f"(processes: {t1 - t0:.0f} s and {t2 - t1:.0f} s)")
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
     return {"engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),

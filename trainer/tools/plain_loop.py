@@ -34,6 +34,7 @@ from datasets import build_dataset
 from models import build_model
 from trainer.loaders import build_loader
 from trainer.loop.steps import build_optimizer, make_step
+from trainer.tools.heap import keep_freed
 
 
 def _usage():
@@ -50,6 +51,8 @@ def measure(cfg) -> dict:
     """Run the plain loop for `cfg` (a composed config) and return its figures."""
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if cfg.engine.get("steady_heap", True):
+        keep_freed()  # as `python -m trainer` does (trainer.tools.heap)
     torch.manual_seed(cfg.engine.seed)
     dataset = build_dataset(cfg.dataset)
     loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
