@@ -44,8 +44,9 @@ SEED_PRESETS: Dict[str, Tuple[int, List[str]]] = {
     "seed003": (12, ["dataset.root={root}", *MNIST, *STEPS]),
     "seed004": (12, ["dataset.root={root}", *CIFAR, *STEPS]),
     "limits": (16, ["dataset.shape=[4]", "engine.epochs=3", "engine.warmup_steps=1"]),
+    # the preset's length is engine.max_steps (the seed's 240 steps, 30 passes of 8): here 2 passes of 8
     "seed000_lightning": (10, ["dataset.num_samples=64", "dataset.chunk_samples=32", "dataset.shape=[8,8]",
-                               "loader.batch_size=8", "engine.epochs=2"]),
+                               "loader.batch_size=8", "engine.max_steps=16"]),
     "seed001": (8, ["dataset.num_samples=64", "dataset.shape=[8,8]", "loader.batch_size=8", "engine.max_steps=12",
                     "engine.warmup_steps=6"]),
 }
@@ -78,6 +79,14 @@ def data_root(tmp_path_factory) -> Path:
 
 
 # ----------------------------------------------------------------------------- composition
+def test_tiny_overrides_shorten_the_presets_own_length():
+    """A preset whose length is `engine.max_steps` (over as many epochs as it takes) is shortened by
+    setting max_steps: `engine.epochs` would not count."""
+    for preset, (_, tiny) in SEED_PRESETS.items():
+        if compose_preset(f"experiment={preset}").engine.max_steps:
+            assert any(o.startswith("engine.max_steps=") for o in tiny), preset
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_sweep_combination_composes_and_validates(preset):
     combos = sweep_combinations(preset)
