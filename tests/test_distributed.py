@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from clirun import LONG, all_runs, steps_csv, wait_for_running
 from datasets import build_dataset
 from trainer.loaders import build_loader
 from trainer.loaders.order import Shard
 from trainer.loop import distributed
+from trainer.loop.engine import planned_steps
 from trainer.loop.run import run
 from trainer.errors import Interrupted, RunFailed
 from trainer.loop.verify import Checksum, combine_ranks
@@ -156,6 +158,28 @@ def test_the_first_rank_to_stop_decides_how_every_rank_closes():
     assert isinstance(crash, ValueError)
 
 
+def test_every_rank_plans_the_steps_of_the_single_process_loop(monkeypatch):
+    """DDP's join() only when the ranks' plans differ: with engine.max_steps every rank that has a
+    batch takes max_steps steps (as `planned_steps` plans them alone), whatever its shard's size."""
+    monkeypatch.setattr(distributed.DistributedModel, "join", lambda self: "join")
+    ddp = distributed.DistributedModel.__new__(distributed.DistributedModel)
+    ranks = _rank(0, _Store())
+
+    def joins(batches_per_rank, epochs, max_steps, model=ddp) -> bool:
+        engine = OmegaConf.create({"epochs": epochs, "max_steps": max_steps})
+        context = ranks.uneven(model, batches_per_rank, engine)
+        assert (context == "join") == ranks.joined
+        return ranks.joined
+
+    assert planned_steps(OmegaConf.create({"epochs": 1, "max_steps": 7}), range(3)) == 7
+    assert not joins([3, 2], epochs=1, max_steps=7)  # 7 steps each: 3 passes of rank 1's shard, 4 of rank 2's
+    assert not joins([3, 2], epochs=30, max_steps=7)
+    assert joins([3, 2], epochs=2, max_steps=0)  # 6 and 4 steps
+    assert not joins([3, 3], epochs=2, max_steps=0)
+    assert joins([3, 0], epochs=1, max_steps=7)  # a rank without a batch takes no step
+    assert not joins([3, 2], epochs=2, max_steps=0, model=torch.nn.Identity())  # nothing to all-reduce
+
+
 def test_launch_time_names_one_folder_for_every_rank(monkeypatch):
     monkeypatch.setenv(distributed.LAUNCH_TIME_ENV, "2026-01-02T03:04:05.678901")
     assert distributed.launch_time("%Y-%m-%d/%H-%M-%S-%f") == "2026-01-02/03-04-05-678901"
@@ -255,27 +279,38 @@ def alive(pids) -> list:
 
 
 def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path, tracking_uri, tiny_cfg):
-    """`torchrun --nproc_per_node=2 -m trainer -m ...` with gloo: job 0 has a bad value (printed
-    once; every rank goes on to the next job), job 1 trains with DDP and finishes: one FINISHED
-    run tagged world_size=2 whose epoch checksums equal a single process's. Job 2's shards give
-    the ranks different numbers of steps: DDP's join lets the longer one finish."""
-    proc = torchrun(tmp_path, tracking_uri, "-m", "loader.batch_size=0,16,25", *SMALL, "engine.epochs=2",
-                    "engine.verify=true", f"hydra.sweep.dir={tmp_path}/sweep/${{launch_time:%H-%M-%S-%f}}",
+    """`torchrun --nproc_per_node=2 -m trainer -m ...` with gloo: the jobs with a bad value fail
+    (printed once each; every rank goes on to the next job); batches of 16 train with DDP and
+    finish: one FINISHED run tagged world_size=2 whose epoch checksums equal a single process's.
+    With batches of 25 the shards give the ranks different numbers of steps per epoch: over
+    `engine.epochs`, DDP's join lets the longer one finish; with `engine.max_steps` every rank
+    takes max_steps, as one process would, and no join is needed."""
+    proc = torchrun(tmp_path, tracking_uri, "-m", "loader.batch_size=0,16,25", "engine.max_steps=0,7", *SMALL,
+                    "engine.epochs=2", "engine.verify=true", f"hydra.sweep.dir={tmp_path}/sweep/${{launch_time:%H-%M-%S-%f}}",
                     start_new_session=True)
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0, err  # Hydra reports the failed job at the end of the sweep
+    assert proc.returncode != 0, err  # Hydra reports the failed jobs at the end of the sweep
     assert [line for line in err.splitlines() if line.startswith("error: ")] == [
-        "error: loader.batch_size must be >= 1 (got 0): set loader.batch_size=64"], err
+        "error: loader.batch_size must be >= 1 (got 0): set loader.batch_size=64"] * 2, err
     assert len(list((tmp_path / "sweep").iterdir())) == 1  # one output folder for both ranks
 
     found = all_runs(tracking_uri)
-    parent, failed, done, uneven = sorted(found, key=lambda r: (r.data.tags.get("sweep") != "true",
-                                                                r.data.params.get("loader.batch_size")))
-    assert parent.data.tags["sweep"] == "true" and parent.data.tags["world_size"] == "2"
-    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in (failed, done, uneven))
-    assert (failed.info.status, done.info.status, uneven.info.status) == ("FAILED", "FINISHED", "FINISHED")
+    (parent,) = [r for r in found if r.data.tags.get("sweep") == "true"]
+    jobs = {(int(r.data.params["loader.batch_size"]), int(r.data.params["engine.max_steps"])): r
+            for r in found if r is not parent}
+    assert parent.data.tags["world_size"] == "2" and len(jobs) == 6
+    assert all(r.data.tags["mlflow.parentRunId"] == parent.info.run_id for r in jobs.values())
+    for (batch, _), r in jobs.items():
+        assert r.info.status == ("FAILED" if batch == 0 else "FINISHED")
+    assert "loader.batch_size" in jobs[0, 0].data.tags["error"]
+    done, uneven = jobs[16, 0], jobs[25, 0]
     assert uneven.data.tags["steps_per_rank"] == "6,4" and uneven.data.metrics["total_samples"] == 202
-    assert "loader.batch_size" in failed.data.tags["error"]
+    assert (uneven.data.tags["ddp_join"], done.data.tags["ddp_join"]) == ("true", "false")
+    # max_steps=7: 4 + 3 steps of 16 on each rank; 3 passes of 25, 25, 1 on rank 0, 4 of 25, 25 on rank 1
+    for batch, samples in ((16, 99 + 98), (25, 127 + 175)):
+        r = jobs[batch, 7]
+        assert (r.data.tags["steps_per_rank"], r.data.tags["ddp_join"]) == ("7,7", "false")
+        assert (r.data.metrics["total_steps"], r.data.metrics["total_samples"]) == (7, samples)
     assert (done.data.tags["world_size"], done.data.tags["backend"], done.data.tags["steps_per_rank"]) == ("2", "gloo", "8,8")
     m = done.data.metrics
     assert m["total_samples"] == 202 and m["total_steps"] == 8
@@ -298,7 +333,7 @@ def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking
     closes the run FAILED with rank 1's error and the steps it measured."""
     proc = torchrun(tmp_path, tracking_uri, *LONG, "loader.num_workers=1", f"hydra.run.dir={tmp_path}/run",
                     start_new_session=True)
-    (r,) = wait_for_running(tracking_uri, proc, settle=6)
+    (r,) = wait_for_running(tracking_uri, proc, settle=3.5)
     ranks = ranks_of(proc.pid)
     deadline = time.monotonic() + 60
     while not (workers := Path(f"/proc/{ranks[1]}/task/{ranks[1]}/children").read_text().split()):
@@ -319,7 +354,7 @@ def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking
 def test_ctrl_c_under_torchrun_marks_the_run_killed(tmp_path, tracking_uri):
     """torchrun forwards SIGINT to every rank: the run is KILLED with its steps, all ranks exit."""
     proc = torchrun(tmp_path, tracking_uri, *LONG, f"hydra.run.dir={tmp_path}/run", start_new_session=True)
-    (r,) = wait_for_running(tracking_uri, proc, settle=6)
+    (r,) = wait_for_running(tracking_uri, proc, settle=3.5)
     ranks = ranks_of(proc.pid)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -44,8 +47,9 @@ SEED_PRESETS: Dict[str, Tuple[int, List[str]]] = {
     "seed003": (12, ["dataset.root={root}", *MNIST, *STEPS]),
     "seed004": (12, ["dataset.root={root}", *CIFAR, *STEPS]),
     "limits": (16, ["dataset.shape=[4]", "engine.epochs=3", "engine.warmup_steps=1"]),
+    # the preset's length is engine.max_steps (the seed's 240 steps, 30 passes of 8): here 2 passes of 8
     "seed000_lightning": (10, ["dataset.num_samples=64", "dataset.chunk_samples=32", "dataset.shape=[8,8]",
-                               "loader.batch_size=8", "engine.epochs=2"]),
+                               "loader.batch_size=8", "engine.max_steps=16"]),
     "seed001": (8, ["dataset.num_samples=64", "dataset.shape=[8,8]", "loader.batch_size=8", "engine.max_steps=12",
                     "engine.warmup_steps=6"]),
 }
@@ -78,6 +82,14 @@ def data_root(tmp_path_factory) -> Path:
 
 
 # ----------------------------------------------------------------------------- composition
+def test_tiny_overrides_shorten_the_presets_own_length():
+    """A preset whose length is `engine.max_steps` (over as many epochs as it takes) is shortened by
+    setting max_steps: `engine.epochs` would not count."""
+    for preset, (_, tiny) in SEED_PRESETS.items():
+        if compose_preset(f"experiment={preset}").engine.max_steps:
+            assert any(o.startswith("engine.max_steps=") for o in tiny), preset
+
+
 @pytest.mark.parametrize("preset", PRESETS)
 def test_every_sweep_combination_composes_and_validates(preset):
     combos = sweep_combinations(preset)
@@ -140,11 +152,35 @@ def test_seed_presets_keep_the_seeds_sizes():
 
 
 # ----------------------------------------------------------------------------- on the CPU, through the CLI
+@pytest.fixture(scope="module", autouse=True)
+def preset_sweeps(request, tmp_path_factory, data_root, empty_store):
+    """`preset_sweeps(preset)`: (tracking URI, the finished process) of `python -m trainer -m
+    experiment=<preset>` at its tiny size. The sweeps of the presets this session runs start with
+    the module, at most one per CPU core at a time, each with its own store, while the module's
+    other tests run; each test below waits for its own."""
+    selected = [item.callspec.params["preset"] for item in request.session.items
+                if item.originalname == "test_seed_preset_runs_every_combination_on_cpu"]
+
+    def sweep(preset: str):
+        folder = tmp_path_factory.mktemp(preset)
+        shutil.copyfile(empty_store, folder / "mlflow.db")
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+        tiny = [o.format(root=data_root) for o in SEED_PRESETS[preset][1]]
+        return uri, run_cli(folder, uri, "-m", f"experiment={preset}", *tiny, "engine.device=cpu", timeout=600)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        # the sweeps with the most jobs first: the last to start are the short ones
+        started = {preset: pool.submit(sweep, preset) for preset in sorted(selected, key=lambda p: -SEED_PRESETS[p][0])}
+        yield lambda preset: started[preset].result()
+        for future in started.values():
+            future.cancel()  # those a failed test left unstarted
+
+
 @pytest.mark.parametrize("preset", list(SEED_PRESETS))
-def test_seed_preset_runs_every_combination_on_cpu(preset, tmp_path, tracking_uri, data_root):
+def test_seed_preset_runs_every_combination_on_cpu(preset, data_root, preset_sweeps):
     jobs, tiny = SEED_PRESETS[preset]
     tiny = [o.format(root=data_root) for o in tiny]
-    proc = run_cli(tmp_path, tracking_uri, "-m", f"experiment={preset}", *tiny, "engine.device=cpu")
+    tracking_uri, proc = preset_sweeps(preset)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     client = MlflowClient(tracking_uri)
@@ -159,6 +195,9 @@ def test_seed_preset_runs_every_combination_on_cpu(preset, tmp_path, tracking_ur
     ran = {tuple(r.data.params.get(k, "None") for k in SETTING) for r in children}
     assert ran == expected
     assert len({r.info.run_name for r in children}) == jobs  # every job named apart
+    for override in tiny:  # the files tests/fake_data.py wrote, read through torchvision by every job
+        if override.startswith("dataset.root="):
+            assert all(r.data.params["dataset.root"] == str(data_root) for r in children)
     check = PER_PRESET.get(preset)
     if check:
         check(children)
@@ -188,7 +227,7 @@ def _check_lightning(children):
     assert set(by_loop["lightning"]) == set(by_loop["feedbench"]) == {"seed_iterable", "pinned", "prefetch", "pinned_chunk", "gpu_resident"}
     for strategy, theirs in by_loop["lightning"].items():
         ours = by_loop["feedbench"][strategy]
-        # the seed's 2 loads x 4 batches per epoch, 2 epochs; the map-style ones 64 / 8 per epoch
+        # engine.max_steps=16: the seed's 2 loads x 4 batches per epoch, 2 epochs; the map-style ones 64 / 8 per epoch
         assert theirs.data.metrics["total_steps"] == ours.data.metrics["total_steps"] == 16
         assert theirs.data.metrics["final_loss"] == ours.data.metrics["final_loss"]  # the same training, either loop
         assert "lightning_fraction" in theirs.data.metrics and "lightning_fraction" not in ours.data.metrics
@@ -201,8 +240,14 @@ def _check_seed001(children):
         assert r.data.metrics["trace_h2d_copies"] == 0  # profiled, on the CPU: no GPU copies in the trace
 
 
+def _check_seed003(children):
+    for r in children:  # MNIST's 128 training images of the fake files, 3 batches of 64
+        assert (r.data.tags["dataset"], r.data.tags["model"]) == ("mnist", "mlp")
+        assert (r.data.metrics["total_steps"], r.data.metrics["total_samples"]) == (3, 3 * 64)
+
+
 PER_PRESET = {"seed000_copy": _check_copy, "seed000_loaders": _check_loaders, "limits": _check_limits,
-              "seed000_lightning": _check_lightning, "seed001": _check_seed001}
+              "seed000_lightning": _check_lightning, "seed001": _check_seed001, "seed003": _check_seed003}
 
 
 # ----------------------------------------------------------------------------- seed 000's own loader

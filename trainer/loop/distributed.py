@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.loaders.order import Shard
+from trainer.loop.engine import planned_steps
 from trainer.loop.verify import combine_ranks
 from trainer.tools.limits import h2d_burst
 
@@ -217,6 +218,7 @@ class Ranks:
         self.backend = "none"
         self.device_: Optional[torch.device] = None
         self.group = self.store = self._watch = None
+        self.joined = False  # trained under DDP's join() (`uneven`)
         if not self.enabled:
             return
         launch()
@@ -303,12 +305,13 @@ class Ranks:
     def uneven(self, model: nn.Module, batches_per_rank: List[int], engine) -> contextlib.AbstractContextManager:
         """Ranks whose shards give them different numbers of steps would leave DDP's all-reduce
         waiting for a rank that has finished: then train under DDP's `join()`, which stands in
-        for finished ranks (at the cost of one more small all-reduce per step)."""
+        for finished ranks (at the cost of one more small all-reduce per step). Each rank's steps
+        are the loop's own plan (`planned_steps`): with `engine.max_steps` set, every rank that has
+        a batch takes exactly that many, over as many epochs of its shard as it takes."""
         def steps(b: int) -> int:
-            return min(engine.epochs * b, engine.max_steps) if engine.max_steps else engine.epochs * b
-        if len({steps(b) for b in batches_per_rank}) <= 1 or not isinstance(model, DistributedModel):
-            return contextlib.nullcontext()
-        return model.join()
+            return planned_steps(engine, range(b)) if b else 0  # a rank without a batch stops at once
+        self.joined = len({steps(b) for b in batches_per_rank}) > 1 and isinstance(model, DistributedModel)
+        return model.join() if self.joined else contextlib.nullcontext()
 
     # -- faults --------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -395,7 +398,8 @@ class Ranks:
         if not self.is_main:
             return summary, verified
         tracker.set_tags({"device_ids": ",".join(dict.fromkeys(e["device"] for e in everyone)),
-                          "steps_per_rank": ",".join(str(len(e["rows"])) for e in everyone)})
+                          "steps_per_rank": ",".join(str(len(e["rows"])) for e in everyone),
+                          "ddp_join": str(self.joined).lower()})  # join's extra all-reduce is in every step's time
         for r, e in enumerate(everyone[1:], start=1):
             tracker.log_rows(e["rows"], f"steps_rank{r}.csv")
         if verified is not None:
