@@ -10,9 +10,9 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 import trainer.config  # noqa: F401  (registers the schemas)
-from trainer.config import PROJECT_ROOT
+from trainer.config import CONF_DIR as _CONF_DIR
 
-CONF_DIR = str(PROJECT_ROOT / "conf")
+CONF_DIR = str(_CONF_DIR)
 TINY = ["dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.epochs=1",
         "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
 

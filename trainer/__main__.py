@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 
-import trainer.config  # noqa: F401  (registers the config schemas)
+from trainer.config import CONF_DIR  # importing it registers the config schemas
 from trainer.loop import distributed, faults
 from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
@@ -32,7 +32,9 @@ def one_line(err: BaseException) -> str:
     return f"{text} (run {run_id} marked FAILED)" if run_id else text
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+# The checkout's conf/, or the copy a wheel carries (trainer.config.CONF_DIR): an absolute path,
+# so an installed package finds its configs wherever it is run from.
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg) -> None:
     try:
         run(cfg)

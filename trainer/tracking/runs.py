@@ -1,8 +1,9 @@
 """MLflow bookkeeping: one run per experiment job, written only outside the timed loop.
 
-Default store: sqlite `outputs/mlflow.db` at the project root, artifacts under `outputs/mlartifacts`,
-both absolute so the UI (`mlflow ui --backend-store-uri sqlite:///.../outputs/mlflow.db`) finds them
-wherever the job was launched from (`trainer.tracking.store`). A job of a sweep is nested under the
+Default store: sqlite `outputs/mlflow.db` at the project root (in the current directory for a
+package installed from a wheel), artifacts under `outputs/mlartifacts`, both absolute so the UI
+(`mlflow ui --backend-store-uri sqlite:///.../outputs/mlflow.db`) finds them wherever the job was
+launched from (`trainer.tracking.store`). A job of a sweep is nested under the
 sweep's parent run (`child_identity`).
 """
 

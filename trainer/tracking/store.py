@@ -15,10 +15,10 @@ from typing import Dict, Optional
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from trainer.config import PROJECT_ROOT
+from trainer.config import BASE_DIR
 from trainer.errors import ConfigError
 
-OUTPUTS = PROJECT_ROOT / "outputs"
+OUTPUTS = BASE_DIR / "outputs"  # the checkout's outputs/, or ./outputs for an installed package
 PER_STEP_METRICS = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
 
 
