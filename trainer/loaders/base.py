@@ -66,16 +66,23 @@ class DeviceLoader:
     def _batches(self) -> Iterator[Batch]:
         """Iterate the DataLoader, remembering the live iterator so its workers can be stopped
         the moment the pass ends or fails, not whenever the iterator is garbage-collected (a
-        traceback can keep it alive, and a dead worker's SIGCHLD error with it)."""
-        self._live = iter(self.dataloader)
-        try:
-            yield from self._live
-        finally:
-            if not self.dataloader.persistent_workers:  # persistent ones serve the next pass; close() stops them
-                self._stop_workers()
+        traceback can keep it alive, and a dead worker's SIGCHLD error with it).
 
-    def _stop_workers(self) -> None:
-        live, self._live = getattr(self, "_live", None), None
+        The pass keeps its own DataLoader and iterator: a pass left suspended may be closed (or
+        garbage-collected) after the strategy's `close()` dropped `self.dataloader`, or while a
+        later pass runs, and must then stop only its own workers."""
+        dataloader = self.dataloader
+        live = self._live = iter(dataloader)
+        try:
+            yield from live
+        finally:
+            if not dataloader.persistent_workers:  # persistent ones serve the next pass; close() stops them
+                self._stop_workers(live)
+
+    def _stop_workers(self, live=None) -> None:
+        """Stop the workers of `live` (by default: of the latest pass)."""
+        if live is None or live is getattr(self, "_live", None):
+            live, self._live = getattr(self, "_live", None), None
         shutdown = getattr(live, "_shutdown_workers", None)  # multi-process iterators only
         if shutdown is not None:
             shutdown()
