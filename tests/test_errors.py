@@ -48,6 +48,9 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time(tmp_path, tracking_uri,
     pytest.param(["dataset.shape=[0,28]"], r"dataset\.shape must be .*>= 1 \(got \[0, 28\]\): set dataset\.shape=", id="dataset.shape=[0,28]"),
     pytest.param(["model.busy_ms=-5"], r"model\.busy_ms must be >= 0 \(got -5\.0\): set model\.busy_ms=0$", id="model.busy_ms=-5"),
     pytest.param(["model=mlp", "dataset.num_classes=1"], r"model=mlp needs labels of at least 2 classes \(got dataset\.num_classes=1\)", id="model=mlp dataset.num_classes=1"),
+    pytest.param(["engine.max_steps=-1"], r"engine\.max_steps must be >= 0 \(got -1\): set engine\.max_steps=0 \(run engine\.epochs passes\)$", id="engine.max_steps=-1"),
+    pytest.param(["distributed.timeout_s=-1"], r"distributed\.timeout_s must be a finite number of seconds > 0 \(got -1\.0\): set distributed\.timeout_s=300$", id="distributed.timeout_s=-1"),
+    pytest.param([f"dataset.shape=[{','.join(['1'] * 40)}]"], r"dataset\.shape must have at most 31 sizes \(got 40\): set dataset\.shape=\[256,256\]$", id="dataset.shape with 40 sizes"),
 ])
 def test_out_of_range_values_name_key_value_and_fix(tmp_path, tracking_uri, overrides, pattern):
     proc = run_cli(tmp_path, tracking_uri, *TINY, *overrides)
@@ -65,8 +68,7 @@ def test_cuda_without_cuda(tmp_path, tracking_uri):
 
 def test_validate_accepts_every_option_as_composed():
     from conftest import compose_config
-    from trainer.config import SCHEMAS
-    from trainer.validate import validate
+        from trainer.validate import validate
     for group, options in SCHEMAS.items():
         for option in options:
             validate(compose_config(f"{group}={option}"))

@@ -52,6 +52,9 @@ def validate(cfg) -> None:
     if model.name == "mlp" and classes < 2:
         raise ConfigError(f"model=mlp needs labels of at least 2 classes (got dataset.num_classes={classes}): "
                           f"set dataset.num_classes=10, or use model=autoencoder or model=noop")
+    if not (cfg.distributed.timeout_s > 0 and math.isfinite(cfg.distributed.timeout_s)):
+        raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {cfg.distributed.timeout_s}): "
+                          f"set distributed.timeout_s=300")
     if not cfg.tracking.experiment:
         raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
 
