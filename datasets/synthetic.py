@@ -11,6 +11,7 @@ import torch
 
 from datasets.base import FeedDataset, to_unit_float
 from trainer.errors import ConfigError
+from trainer.memory import check_host_fits
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
@@ -30,7 +31,10 @@ class SyntheticDataset(FeedDataset):
         self.num_classes = int(cfg.num_classes)
         n = int(cfg.num_samples)
         self.chunk_samples = chunk_size(cfg)
-        # One fixed random class per sample, independent of how the data is chunked.
+        # One fixed random class per sample, independent of how the data is chunked: the one
+        # allocation the dataset makes for all samples at once, before any strategy checks its own.
+        check_host_fits(n * 8, f"dataset.num_samples={n} (one int64 label per sample)",
+                        "set a smaller dataset.num_samples")
         self.labels = torch.from_numpy(np.random.default_rng([cfg.seed, 0x1ABE1]).integers(0, self.num_classes, n))
         self._all: Optional[torch.Tensor] = None
 

@@ -13,6 +13,7 @@ import torch
 
 from clirun import TINY, all_runs, error_line, run_cli, steps_csv
 from fake_data import write_mnist
+from trainer.config import SCHEMAS
 from trainer.errors import ConfigError
 from trainer.loop.run import run
 
@@ -68,7 +69,8 @@ def test_cuda_without_cuda(tmp_path, tracking_uri):
 
 def test_validate_accepts_every_option_as_composed():
     from conftest import compose_config
-        from trainer.validate import validate
+    from trainer.config import SCHEMAS
+    from trainer.validate import validate
     for group, options in SCHEMAS.items():
         for option in options:
             validate(compose_config(f"{group}={option}"))
@@ -89,7 +91,7 @@ def test_batch_larger_than_the_dataset(tmp_path, tracking_uri):
     assert found.group(1) == r.info.run_id and "loader.batch_size must be <= 96" in r.data.tags["error"]
 
 
-@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "pinned_gather", "baseline"], argvalues=[
+@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "pinned_gather", "baseline", "seed_iterable"], argvalues=[
     ("pinned_chunk", r"loader=pinned_chunk \(1 page-locked buffer.*\) needs ([\d.]+) GiB of host memory but only "
                      r"([\d.]+) GiB is available: set dataset\.chunk_samples=\d+"),
     ("pinned_gather", r"loader=pinned_gather \(the whole dataset in host memory and 6 page-locked batch slots.*\) needs "
@@ -97,6 +99,8 @@ def test_batch_larger_than_the_dataset(tmp_path, tracking_uri):
                       r"or use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
     ("baseline", r"loader=baseline \(the whole dataset in host memory\) needs ([\d.]+) GiB of host memory but only "
                  r"([\d.]+) GiB is available: use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
+    ("seed_iterable", r"loader=seed_iterable \(one chunk of dataset\.chunk_samples=1000000 in each of 1 loading process\(es\)\) "
+                      r"needs ([\d.]+) GiB of host memory but only ([\d.]+) GiB is available: set dataset\.chunk_samples=\d+"),
 ])
 def test_more_host_memory_than_available_fails_before_allocating(tmp_path, tracking_uri, strategy, pattern):
     # 10^6 samples of 1024 x 1024 float32: 3.8 TiB
@@ -119,6 +123,54 @@ def test_more_gpu_memory_than_free_fails_before_allocating(tmp_path, tracking_ur
     error_line(proc, r"loader=gpu_resident needs [\d.]+ GiB of GPU memory but only [\d.]+ GiB of [\d.]+ GiB is free: "
                      r"use loader=pinned_chunk or a smaller dataset\.num_samples")
     failed_run(tracking_uri)
+
+
+HUGE = "dataset.num_samples=100000000000"  # 10^11 samples: their int64 labels alone are 745 GiB
+LABELS = (r"dataset\.num_samples=100000000000 \(one int64 label per sample\) needs 745\.06 GiB of host memory but only "
+          r"[\d.]+ GiB is available: set a smaller dataset\.num_samples")
+
+
+def test_synthetic_labels_larger_than_host_memory_fail_before_allocating(tmp_path, tracking_uri):
+    start = time.monotonic()
+    proc = run_cli(tmp_path, tracking_uri, *TINY, HUGE)
+    error_line(proc, LABELS + r" \(run \w+ marked FAILED\)$")
+    assert time.monotonic() - start < 120
+    assert "dataset.num_samples=100000000000" in failed_run(tracking_uri).data.tags["error"]
+
+
+@pytest.mark.parametrize("strategy", list(SCHEMAS["loader"]))
+def test_synthetic_labels_are_checked_with_every_strategy(tiny_cfg, runs, strategy):
+    with pytest.raises(ConfigError, match=LABELS):
+        run(tiny_cfg(f"loader={strategy}", HUGE, "dataset.chunk_samples=1000"))
+    (r,) = runs()
+    assert r.info.status == "FAILED"
+
+
+def test_a_model_larger_than_host_memory_fails_before_it_is_built(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "model.hidden=100000000000")
+    error_line(proc, r"model=autoencoder \(13,600,000,000,067 parameters with their gradients and adam's state, and the "
+                     r"activations of loader\.batch_size=16\) needs [\d.]+ GiB of host memory but only [\d.]+ GiB is "
+                     r"available: set a smaller model\.hidden or model\.bottleneck or dataset\.shape \(run \w+ marked FAILED\)$")
+    assert "model=autoencoder" in failed_run(tracking_uri).data.tags["error"]
+
+
+def test_a_batch_whose_activations_exceed_host_memory_fails_before_training(tiny_cfg, runs):
+    # 2^20 samples of one value, a 2^20-wide hidden layer: 4 TiB of activations for one batch.
+    with pytest.raises(ConfigError, match=r"model=autoencoder \(.* the activations of loader\.batch_size=1048576\) needs "
+                                          r"[\d.]+ GiB of host memory .*: set loader\.batch_size=\d+ or smaller$"):
+        run(tiny_cfg("loader=gpu_resident", "dataset.num_samples=1048576", "dataset.shape=[1]", "loader.batch_size=1048576",
+                     "model.hidden=1048576", "model.bottleneck=1"))
+    (r,) = runs()
+    assert r.info.status == "FAILED" and r.data.metrics.get("total_steps", 0) == 0
+
+
+def test_host_out_of_memory_during_a_run_is_one_line(tiny_cfg):
+    from trainer.errors import RunFailed
+    from trainer.loop.faults import explain_faults
+    with pytest.raises(RunFailed, match=r"^out of host memory with loader=baseline loader\.batch_size=16 model=autoencoder: "
+                                        r"set loader\.batch_size=8 or smaller"):
+        with explain_faults(tiny_cfg()):
+            torch.empty(2**62, dtype=torch.uint8)  # more than any address space: the allocator refuses at once
 
 
 VISION = [o for o in TINY if not o.startswith(("dataset.shape=", "dataset.num_samples="))]
