@@ -3,13 +3,21 @@ is marked FAILED in MLflow with what it measured."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
+import importlib.util
 import math
 import os
 import socket
+import sqlite3
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from clirun import TINY, all_runs, error_line, run_cli, steps_csv
 from fake_data import write_mnist
@@ -239,6 +247,146 @@ def test_tracking_folder_read_only(tmp_path):
     finally:
         (tmp_path / "locked").chmod(0o755)
     error_line(proc, rf"tracking\.uri={uri}: cannot write in {folder} \(.+\): use a writable folder or set tracking\.uri=null")
+
+
+def test_a_new_database_adds_no_lines_before_the_error(tmp_path, tracking_uri):
+    """MLflow's INFO lines about creating the database's tables stay off stderr."""
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "loader.batch_size=500")  # found once the run is open
+    line = error_line(proc, r"loader\.batch_size must be <= 96").string
+    assert proc.stderr.splitlines() == [line]
+    failed_run(tracking_uri)
+
+
+def mlflow_database(path: Path) -> Path:
+    """A real MLflow store: MLflow makes its tables on first use."""
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
+def with_schema(path: Path, revision: str) -> Path:
+    with contextlib.closing(sqlite3.connect(path)) as con, con:
+        con.execute("UPDATE alembic_version SET version_num = ?", (revision,))
+    return path
+
+
+def older_schema() -> str:
+    from trainer.tracking.store import mlflow_schemas
+    head, known = mlflow_schemas()
+    return sorted(known - {head})[0]
+
+
+def another_programs_database(path: Path) -> Path:
+    with contextlib.closing(sqlite3.connect(path)) as con, con:
+        con.execute("CREATE TABLE trials (id INTEGER, value REAL)")
+    return path
+
+
+NEW_FILE = r"set tracking\.uri=sqlite:///{folder}/feedbench-mlflow\.db \(a new file\)"
+
+
+@pytest.mark.parametrize("make,pattern", [
+    pytest.param(lambda d: d / "folder.db", r"{db} is a folder, not a database file: set tracking\.uri=sqlite:///{db}/mlflow\.db$",
+                 id="a folder"),
+    pytest.param(lambda d: d / "notes.db", r"{db} is not an SQLite database: " + NEW_FILE + ", or move that file away$",
+                 id="not a database"),
+    pytest.param(lambda d: another_programs_database(d / "other.db"),
+                 r"{db} is another program's SQLite database \(tables trials\), not an MLflow store: "
+                 r"set tracking\.uri=sqlite:///{folder}/feedbench-mlflow\.db \(a file of its own\)$", id="another program's database"),
+    pytest.param(lambda d: with_schema(mlflow_database(d / "old.db"), older_schema()),
+                 r"holds runs of an older MLflow \(database schema \w+; MLflow [\d.]+ needs \w+\): back the file up and "
+                 r"upgrade it \(mlflow db upgrade sqlite:///{db}\), or " + NEW_FILE + "$", id="an older MLflow's database"),
+    pytest.param(lambda d: with_schema(mlflow_database(d / "new.db"), "ffffffffffff"),
+                 r"was written by a newer MLflow than [\d.]+ \(database schema ffffffffffff\): upgrade MLflow "
+                 r"\(pip install -U mlflow\), or " + NEW_FILE + "$", id="a newer MLflow's database"),
+])
+def test_a_sqlite_file_mlflow_cannot_use_is_refused_untouched(tmp_path, make, pattern):
+    (tmp_path / "folder.db").mkdir()
+    (tmp_path / "notes.db").write_text("a text file, not a database\n")
+    db = make(tmp_path)
+    before = None if db.is_dir() else db.read_bytes()
+    uri = f"sqlite:///{db}"
+    proc = run_cli(tmp_path, uri, *TINY)
+    error_line(proc, rf"^error: tracking\.uri={uri}:? .*" + pattern.format(db=db, folder=tmp_path))
+    assert before is None or db.read_bytes() == before  # MLflow did not add its tables to it
+
+
+@pytest.mark.parametrize("uri,pattern", [
+    pytest.param("sqlite://", r"tracking\.uri=sqlite:// names no database file \(an in-memory store loses the runs when "
+                              r"the run ends\): set tracking\.uri=sqlite:///<folder>/mlflow\.db", id="sqlite in memory"),
+    pytest.param("foo://bar", r"tracking\.uri=foo://bar: MLflow has no store for foo:// URIs: set tracking\.uri=sqlite:///"
+                              r"<folder>/mlflow\.db, http\(s\)://<an MLflow server>", id="an unknown scheme"),
+])
+def test_a_tracking_uri_naming_no_store_is_refused(tmp_path, uri, pattern):
+    error_line(run_cli(tmp_path, uri, *TINY), pattern)
+
+
+@pytest.mark.parametrize("form", ["file://{}", "{}"], ids=["file URI", "bare path"])
+def test_mlflows_file_store_is_refused_with_the_fix(tmp_path, monkeypatch, form):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = form.format(tmp_path / "mlruns")
+    proc = run_cli(tmp_path, uri, *TINY)
+    error_line(proc, rf"tracking\.uri={uri} is MLflow's file store, which MLflow 3 refuses unless "
+                     rf"MLFLOW_ALLOW_FILE_STORE=true is set: set tracking\.uri=sqlite:///{tmp_path}/mlruns/mlflow\.db "
+                     rf"\(or export MLFLOW_ALLOW_FILE_STORE=true\)$")
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_a_file_store_switch_that_is_neither_true_nor_false_is_named(tmp_path):
+    uri = f"file://{tmp_path / 'mlruns'}"
+    proc = run_cli(tmp_path, uri, *TINY, env={"MLFLOW_ALLOW_FILE_STORE": "yes please"})
+    error_line(proc, rf"tracking\.uri={uri} is MLflow's file store, and MLFLOW_ALLOW_FILE_STORE='yes please' is neither "
+                     r"true nor false: unset it and set tracking\.uri=sqlite:///.*/mlruns/mlflow\.db, or export "
+                     r"MLFLOW_ALLOW_FILE_STORE=true$")
+
+
+def test_a_database_without_its_driver_names_the_package(tmp_path):
+    if importlib.util.find_spec("psycopg") is not None:
+        pytest.skip("psycopg is installed here")
+    uri = "postgresql://feedbench:secret@127.0.0.1:1/runs"
+    proc = run_cli(tmp_path, uri, *TINY)
+    error_line(proc, r"tracking\.uri=postgresql://feedbench:\*\*\*@127\.0\.0\.1:1/runs: the database's Python driver is not "
+                     r"installed \(no module psycopg\): pip install 'psycopg\[binary\]', or set tracking\.uri=null$")
+    assert "secret" not in proc.stderr
+
+
+class NotMlflow(http.server.SimpleHTTPRequestHandler):
+    """A web server that is not MLflow's: it serves a folder (404 pages for MLflow's API)."""
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def web_server(tmp_path):
+    """A real HTTP server on a free loopback port, for the length of one test."""
+    handler = functools.partial(NotMlflow, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield f"http://127.0.0.1:{server.server_address[1]}"
+        finally:
+            server.shutdown()
+            thread.join(timeout=10)
+
+
+def test_a_server_that_is_not_mlflow_is_refused(tmp_path, web_server):
+    start = time.monotonic()
+    proc = run_cli(tmp_path, web_server, *TINY, timeout=120)
+    error_line(proc, rf"tracking\.uri={web_server} answers but is not an MLflow tracking server \(GET "
+                     r"/api/2\.0/mlflow/experiments/get-by-name: HTTP 404, text/html\): give the address and port "
+                     r"`mlflow server` listens on, or set tracking\.uri=null")
+    assert time.monotonic() - start < 60
+
+
+def test_a_deleted_experiment_says_how_to_restore_it(tmp_path, tracking_uri):
+    client = MlflowClient(tracking_uri)
+    client.delete_experiment(client.create_experiment("feedbench"))
+    proc = run_cli(tmp_path, tracking_uri, *TINY)
+    error_line(proc, rf"tracking\.experiment=feedbench was deleted from {tracking_uri} \(it is in MLflow's trash\): restore it "
+                     rf"\(MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id \d+\) or set "
+                     r"tracking\.experiment=<another name>$")
+    assert client.search_runs([client.get_experiment_by_name("feedbench").experiment_id]) == []
 
 
 def test_check_tracking_uri_accepts_a_writable_sqlite_folder(tracking_uri):
