@@ -17,6 +17,14 @@ TINY = ["dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
         "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
 
 
+def batch_that_runs_out_of_gpu_memory(hidden: int) -> int:
+    """A batch for model=mlp whose hidden layer's output alone takes 60% of the free GPU memory:
+    the up-front check (a lower bound, each layer's output once) lets it run, and the step, which
+    also holds the ReLU's output and both their gradients, runs out of GPU memory."""
+    free, _ = torch.cuda.mem_get_info()
+    return int(0.6 * free / (4 * hidden))
+
+
 def compose_config(*overrides: str):
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         return compose("config", overrides=list(overrides))

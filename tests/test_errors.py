@@ -20,6 +20,7 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from clirun import TINY, all_runs, error_line, run_cli, steps_csv
+from conftest import batch_that_runs_out_of_gpu_memory
 from fake_data import write_mnist
 from trainer.config import SCHEMAS
 from trainer.errors import ConfigError
@@ -437,12 +438,23 @@ def test_nan_loss_on_gpu_is_found_lagged(tiny_cfg, runs, graph):
 
 
 @pytest.mark.gpu
-def test_gpu_out_of_memory_names_batch_size_and_strategy(tmp_path, tracking_uri):
+def test_a_batch_larger_than_gpu_memory_fails_before_training(tmp_path, tracking_uri):
     # The first layer's output alone is 65536 x 2^20 floats: 256 GiB.
     proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.device=cuda", "loader=gpu_resident", "model=mlp",
                    "model.hidden=1048576", "dataset.num_samples=65536", "loader.batch_size=65536", "engine.max_steps=2")
-    error_line(proc, r"out of GPU memory with loader=gpu_resident loader\.batch_size=65536 model=mlp: "
-                     r"set loader\.batch_size=32768 or smaller")
+    error_line(proc, r"model=mlp \(.* the activations of loader\.batch_size=65536\) needs [\d.]+ GiB of GPU memory but "
+                     r"only [\d.]+ GiB of [\d.]+ GiB is free: set loader\.batch_size=\d+ or smaller")
+    r = failed_run(tracking_uri)
+    assert "model=mlp" in r.data.tags["error"] and r.data.metrics.get("total_steps", 0) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_names_batch_size_and_strategy(tmp_path, tracking_uri):
+    b = batch_that_runs_out_of_gpu_memory(hidden=2**20)
+    proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.device=cuda", "loader=gpu_resident", "model=mlp",
+                   "model.hidden=1048576", f"dataset.num_samples={b}", f"loader.batch_size={b}", "engine.max_steps=2")
+    error_line(proc, rf"out of GPU memory with loader=gpu_resident loader\.batch_size={b} model=mlp: "
+                     rf"set loader\.batch_size={b // 2} or smaller")
     assert "out of GPU memory" in failed_run(tracking_uri).data.tags["error"]
 
 
