@@ -193,6 +193,15 @@ def test_mnist_missing_offline(tmp_path, tracking_uri):
     assert "dataset=mnist" in failed_run(tracking_uri).data.tags["error"]
 
 
+def test_a_data_folder_that_cannot_be_made_is_named(tmp_path, tracking_uri):
+    (tmp_path / "a-file").write_text("in the way\n")
+    root = tmp_path / "a-file" / "data"
+    proc = run_cli(tmp_path, tracking_uri, *VISION, "dataset=mnist", f"dataset.root={root}", "dataset.download=true")
+    error_line(proc, rf"dataset=mnist: cannot make {root}/MNIST/raw \(dataset\.root={root}\) to download MNIST into "
+                     r"\(\[Errno 20\] Not a directory: .*\): set dataset\.root to a writable folder \(run \w+ marked FAILED\)$")
+    failed_run(tracking_uri)
+
+
 def test_mnist_corrupt(tmp_path, tracking_uri):
     root = tmp_path / "data"
     write_mnist(root, gz=False)
