@@ -9,6 +9,7 @@ import http.server
 import importlib.util
 import math
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -60,6 +61,7 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time(tmp_path, tracking_uri,
     pytest.param(["model=mlp", "dataset.num_classes=1"], r"model=mlp needs labels of at least 2 classes \(got dataset\.num_classes=1\)", id="model=mlp dataset.num_classes=1"),
     pytest.param(["engine.max_steps=-1"], r"engine\.max_steps must be >= 0 \(got -1\): set engine\.max_steps=0 \(run engine\.epochs passes\)$", id="engine.max_steps=-1"),
     pytest.param(["distributed.timeout_s=-1"], r"distributed\.timeout_s must be a finite number of seconds > 0 \(got -1\.0\): set distributed\.timeout_s=300$", id="distributed.timeout_s=-1"),
+    pytest.param([f"tracking.experiment={'e' * 600}"], r"tracking\.experiment must be at most 500 characters \(got 600\): set tracking\.experiment=feedbench$", id="tracking.experiment of 600 characters"),
     pytest.param([f"dataset.shape=[{','.join(['1'] * 40)}]"], r"dataset\.shape must have at most 31 sizes \(got 40\): set dataset\.shape=\[256,256\]$", id="dataset.shape with 40 sizes"),
 ])
 def test_out_of_range_values_name_key_value_and_fix(tmp_path, tracking_uri, overrides, pattern):
@@ -397,6 +399,13 @@ def test_a_deleted_experiment_says_how_to_restore_it(tmp_path, tracking_uri):
                      rf"\(MLFLOW_TRACKING_URI={tracking_uri} mlflow experiments restore --experiment-id \d+\) or set "
                      r"tracking\.experiment=<another name>$")
     assert client.search_runs([client.get_experiment_by_name("feedbench").experiment_id]) == []
+
+
+def test_what_mlflow_still_refuses_when_it_opens_the_store_is_one_line(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}?timeout=soon"  # SQLite's connect() wants seconds
+    proc = run_cli(tmp_path, f"'{uri}'", *TINY)
+    error_line(proc, rf"tracking\.uri={re.escape(uri)}: MLflow refused to record the run there \(ValueError: could not convert "
+                     r"string to float: 'soon'\): correct what it names, or set tracking\.uri=null")
 
 
 def test_check_tracking_uri_accepts_a_writable_sqlite_folder(tracking_uri):

@@ -15,6 +15,7 @@ from trainer.errors import ConfigError
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LOOPS = ("feedbench", "lightning")
+MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
 
 
 def at_least(key: str, value, low, fix) -> None:
@@ -57,6 +58,9 @@ def validate(cfg) -> None:
                           f"set distributed.timeout_s=300")
     if not cfg.tracking.experiment:
         raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
+    if len(cfg.tracking.experiment) > MAX_EXPERIMENT_NAME_LENGTH:
+        raise ConfigError(f"tracking.experiment must be at most {MAX_EXPERIMENT_NAME_LENGTH} characters (got "
+                          f"{len(cfg.tracking.experiment)}): set tracking.experiment=feedbench")
 
 
 def _validate_loop(engine) -> None:

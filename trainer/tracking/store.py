@@ -72,8 +72,8 @@ def store_errors(uri: str) -> Iterator[None]:
         raise
     except Exception as e:  # MlflowException, SQLAlchemy's errors, a missing module, OSError
         reason = " ".join(str(e).split())[:300]
-        raise ConfigError(f"tracking.uri={shown(uri)}: MLflow cannot record runs there ({type(e).__name__}: {reason}): "
-                          f"correct the URI, or set tracking.uri=null to record in {default_uri()}") from None
+        raise ConfigError(f"tracking.uri={shown(uri)}: MLflow refused to record the run there ({type(e).__name__}: "
+                          f"{reason}): correct what it names, or set tracking.uri=null to record in {default_uri()}") from None
 
 
 def shown(uri: str) -> str:
