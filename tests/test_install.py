@@ -70,24 +70,36 @@ def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "HYDRA_FULL_ERROR")}
 
 
-def test_wheel_installed_in_a_fresh_environment_runs_from_elsewhere(tmp_path):
-    wheel = build_wheel(tmp_path)
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """(the wheel, the python of a fresh environment holding it), made once for this file's tests."""
+    tmp = tmp_path_factory.mktemp("install")
+    wheel = build_wheel(tmp)
+    python = fresh_environment(tmp)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
+                   check=True, capture_output=True, text=True, timeout=300, env=clean_env())
+    return wheel, python
+
+
+def test_the_wheel_holds_every_module_and_config(installed):
+    wheel, _ = installed
     names = set(zipfile.ZipFile(wheel).namelist())
-    for package in PACKAGES:  # every module, and every config as trainer/conf/...
+    for package in PACKAGES:
         assert {p.relative_to(PROJECT_ROOT).as_posix() for p in (PROJECT_ROOT / package).rglob("*.py")} <= names
     configs = {"trainer/conf/" + p.relative_to(PROJECT_ROOT / "conf").as_posix() for p in (PROJECT_ROOT / "conf").rglob("*.yaml")}
     assert configs and configs <= names
 
-    python = fresh_environment(tmp_path)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
-                   check=True, capture_output=True, text=True, timeout=300, env=clean_env())
+
+def test_wheel_installed_in_a_fresh_environment_runs_from_elsewhere(installed, tmp_path):
+    wheel, python = installed
+    venv = python.parent.parent
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     where = subprocess.run([str(python), "-E", "-c", "import json, trainer, datasets, models; "
                             "print(json.dumps([m.__file__ for m in (trainer, datasets, models)]))"],
                            cwd=elsewhere, check=True, capture_output=True, text=True, env=clean_env())
     for file in json.loads(where.stdout):
-        assert Path(file).is_relative_to(tmp_path / "venv"), file  # the wheel's copy, not the checkout
+        assert Path(file).is_relative_to(venv), file  # the wheel's copy, not the checkout
 
     proc = subprocess.run([str(python), "-E", "-m", "trainer", "engine.max_steps=3"], cwd=elsewhere,
                           capture_output=True, text=True, timeout=600, env=clean_env())
@@ -100,4 +112,24 @@ def test_wheel_installed_in_a_fresh_environment_runs_from_elsewhere(tmp_path):
     assert run.info.status == "FINISHED" and run.data.metrics["total_steps"] == 3
     env = json.loads(Path(client.download_artifacts(run.info.run_id, "environment.json")).read_text())
     assert env["feedbench"] == wheel.name.split("-")[1] and env["git_commit"] is None  # the wheel's version, no checkout
-    assert not any((tmp_path / "venv").rglob("outputs"))  # nothing written inside the installed package
+    assert not any(venv.rglob("outputs"))  # nothing written inside the installed package
+
+
+def test_an_installed_run_from_a_folder_it_cannot_write_in_is_one_line(installed, tmp_path):
+    _, python = installed
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    # root ignores permission bits: then a folder of a read-only file system, or one of the kernel's
+    locked = next((p for p in (locked, Path("/sys"), Path("/proc/1")) if not os.access(p, os.W_OK)), None)
+    if locked is None:
+        pytest.skip("no folder here that this user cannot write in")
+    try:
+        proc = subprocess.run([str(python), "-E", "-m", "trainer", "engine.max_steps=3"], cwd=locked,
+                              capture_output=True, text=True, timeout=300, env=clean_env())
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.splitlines() == [f"error: hydra.run.dir: outputs/ goes in the current folder, and {locked} is not "
+                                        f"writable: run from a writable folder, or set hydra.run.dir=<a writable folder> "
+                                        f"and tracking.uri=sqlite:///<a writable folder>/mlflow.db"]
