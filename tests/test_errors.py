@@ -368,10 +368,19 @@ class NotMlflow(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+class AsksForCredentials(NotMlflow):
+    """A server behind a login (an MLflow server with authentication, say): 401 to everything."""
+
+    def do_GET(self):
+        self.send_response(401)
+        self.send_header("WWW-Authenticate", 'Basic realm="mlflow"')
+        self.end_headers()
+
+
 @pytest.fixture
-def web_server(tmp_path):
+def web_server(tmp_path, request):
     """A real HTTP server on a free loopback port, for the length of one test."""
-    handler = functools.partial(NotMlflow, directory=str(tmp_path))
+    handler = functools.partial(getattr(request, "param", NotMlflow), directory=str(tmp_path))
     with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as server:
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
@@ -389,6 +398,13 @@ def test_a_server_that_is_not_mlflow_is_refused(tmp_path, web_server):
                      r"/api/2\.0/mlflow/experiments/get-by-name: HTTP 404, text/html\): give the address and port "
                      r"`mlflow server` listens on, or set tracking\.uri=null")
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.parametrize("web_server", [AsksForCredentials], indirect=True)
+def test_a_server_that_refuses_our_credentials_says_which_to_set(tmp_path, web_server):
+    proc = run_cli(tmp_path, web_server, *TINY, timeout=120)
+    error_line(proc, rf"tracking\.uri={web_server} refused feedbench \(HTTP 401\): set MLFLOW_TRACKING_USERNAME and "
+                     r"MLFLOW_TRACKING_PASSWORD \(or MLFLOW_TRACKING_TOKEN\) for it, or set tracking\.uri=null$")
 
 
 def test_a_deleted_experiment_says_how_to_restore_it(tmp_path, tracking_uri):
