@@ -11,6 +11,7 @@ import torch
 
 from datasets.base import FeedDataset, to_unit_float
 from trainer.errors import ConfigError
+from trainer.memory import check_host_fits
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
@@ -30,7 +31,10 @@ class SyntheticDataset(FeedDataset):
         self.num_classes = int(cfg.num_classes)
         n = int(cfg.num_samples)
         self.chunk_samples = chunk_size(cfg)
-        # One fixed random class per sample, independent of how the data is chunked.
+        # One fixed random class per sample, independent of how the data is chunked: the one
+        # allocation the dataset makes for all samples at once, before any strategy checks its own.
+        check_host_fits(n * 8, f"dataset.num_samples={n} (one int64 label per sample)",
+                        "set a smaller dataset.num_samples")
         self.labels = torch.from_numpy(np.random.default_rng([cfg.seed, 0x1ABE1]).integers(0, self.num_classes, n))
         self._all: Optional[torch.Tensor] = None
 
@@ -87,6 +91,8 @@ def _validate(cfg) -> None:
         (cfg.chunk_samples <= cfg.num_samples, f"dataset.chunk_samples={cfg.chunk_samples} is more than dataset.num_samples={cfg.num_samples}: set dataset.num_samples={cfg.chunk_samples}"),
         (cfg.chunks <= cfg.num_samples, f"dataset.chunks={cfg.chunks} is more than dataset.num_samples={cfg.num_samples}: set dataset.chunks=1"),
         (len(cfg.shape) >= 1 and all(s >= 1 for s in cfg.shape), f"dataset.shape must be sizes >= 1 (got {list(cfg.shape)}): set dataset.shape=[256,256]"),
+        # numpy (1.x) handles at most 32 dimensions, and a batch adds one.
+        (len(cfg.shape) <= 31, f"dataset.shape must have at most 31 sizes (got {len(cfg.shape)}): set dataset.shape=[256,256]"),
         (cfg.batches_per_chunk >= 0, f"dataset.batches_per_chunk must be >= 0 (got {cfg.batches_per_chunk}): set dataset.batches_per_chunk=0 (one pass)"),
         (cfg.load_ms >= 0, f"dataset.load_ms must be >= 0 (got {cfg.load_ms}): set dataset.load_ms=0"),
         (cfg.num_classes >= 1, f"dataset.num_classes must be >= 1 (got {cfg.num_classes}): set dataset.num_classes=10"),

@@ -14,8 +14,10 @@ the files expected there and the fix.
 from __future__ import annotations
 
 import contextlib
+import errno
 import http.client
 import math
+import os
 import pickle
 import socket
 import sys
@@ -126,6 +128,9 @@ class _Vision(FeedDataset):
         """One line: what is wrong in `dataset.root`, the files expected there, and the fix."""
         missing, damaged = self.problems()
         name, where = self.cfg.name, f"{self.folder} (dataset.root={self.root})"
+        if self.cfg.download and _cannot_write(error, self.root):
+            return (f"dataset={name}: cannot make {where} to download {self.title} into ({_last_line(error)}): "
+                    f"set dataset.root to a writable folder")
         if self.cfg.download and _is_download_error(error):
             found = "; ".join(damaged + ([f"missing {', '.join(missing)}"] if missing else []))
             return (f"dataset={name}: {found + '; ' if found else ''}downloading {self.title} into {where} failed "
@@ -262,6 +267,15 @@ def _is_download_error(error: Optional[BaseException]) -> bool:
             return True
         error = error.__cause__ or error.__context__
     return False
+
+
+def _cannot_write(error: BaseException, root: Path) -> bool:
+    """True when `error` is the file system refusing to make or write something under `root`
+    (a read-only or missing parent, a file in the way): no download can help."""
+    refused = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR, errno.EEXIST)
+    if not (isinstance(error, OSError) and error.errno in refused and error.filename):
+        return False
+    return Path(os.path.abspath(error.filename)).is_relative_to(os.path.abspath(root))
 
 
 def _last_line(error: BaseException) -> str:

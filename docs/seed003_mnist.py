@@ -22,7 +22,7 @@ from mlflow.tracking import MlflowClient
 
 import trainer.config  # noqa: F401  (registers the config schemas)
 from datasets import build_dataset
-from trainer.config import PROJECT_ROOT
+from trainer.config import CONF_DIR
 from trainer.loop.run import run
 from trainer.tracking.store import default_uri
 
@@ -52,7 +52,7 @@ def cases(workers: int) -> List[Tuple[str, List[str]]]:
 
 
 def compose_case(*overrides: str):
-    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 

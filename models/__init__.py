@@ -7,7 +7,7 @@ a number kept by hand in its config, and exposes `loss(x, y)` for the engine's s
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -78,3 +78,12 @@ MODELS = {"autoencoder": Autoencoder, "mlp": Mlp, "noop": Noop}
 def build_model(cfg, sample_shape: Sequence[int], num_classes: Optional[int]) -> FeedModel:
     """Build the model named by `cfg.name`, sized for the dataset."""
     return MODELS[cfg.name](cfg, sample_shape, num_classes)
+
+
+def layer_sizes(cfg, sample_shape: Sequence[int], num_classes: Optional[int]) -> Tuple[int, int]:
+    """(parameters, the layers' output widths added up) of the model `cfg.name` names, counted on
+    the meta device: nothing is allocated, however large the model."""
+    with torch.device("meta"):
+        model = build_model(cfg, sample_shape, num_classes)
+    params = sum(p.numel() for p in model.parameters())
+    return params, sum(m.out_features for m in model.modules() if isinstance(m, nn.Linear))

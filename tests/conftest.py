@@ -11,11 +11,19 @@ from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
 import trainer.config  # noqa: F401  (registers the schemas)
-from trainer.config import PROJECT_ROOT
+from trainer.config import CONF_DIR as _CONF_DIR
 
-CONF_DIR = str(PROJECT_ROOT / "conf")
+CONF_DIR = str(_CONF_DIR)
 TINY = ["dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.epochs=1",
         "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
+
+
+def batch_that_runs_out_of_gpu_memory(hidden: int) -> int:
+    """A batch for model=mlp whose hidden layer's output alone takes 60% of the free GPU memory:
+    the up-front check (a lower bound, each layer's output once) lets it run, and the step, which
+    also holds the ReLU's output and both their gradients, runs out of GPU memory."""
+    free, _ = torch.cuda.mem_get_info()
+    return int(0.6 * free / (4 * hidden))
 
 
 def compose_config(*overrides: str):

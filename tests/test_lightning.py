@@ -459,10 +459,11 @@ def test_gpu_lightning_prefetch_delivers_device_batches_without_a_second_copy():
 
 @pytest.mark.gpu
 def test_gpu_out_of_memory_in_a_lightning_step_is_one_line(tiny_cfg, runs):
-    # The first layer's output alone is 65536 x 2^20 floats: 256 GiB.
-    with pytest.raises(RunFailed, match=r"out of GPU memory with loader=gpu_resident loader\.batch_size=65536 model=mlp: "
-                                        r"set loader\.batch_size=32768 or smaller"):
+    from conftest import batch_that_runs_out_of_gpu_memory
+    b = batch_that_runs_out_of_gpu_memory(hidden=2**20)
+    with pytest.raises(RunFailed, match=rf"out of GPU memory with loader=gpu_resident loader\.batch_size={b} model=mlp: "
+                                        rf"set loader\.batch_size={b // 2} or smaller"):
         run(tiny_cfg("engine.device=cuda", "engine.loop=lightning", "loader=gpu_resident", "model=mlp",
-                     "model.hidden=1048576", "dataset.num_samples=65536", "loader.batch_size=65536", "engine.max_steps=2"))
+                     "model.hidden=1048576", f"dataset.num_samples={b}", f"loader.batch_size={b}", "engine.max_steps=2"))
     (r,) = runs()
     assert r.info.status == "FAILED" and "out of GPU memory" in r.data.tags["error"]

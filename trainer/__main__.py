@@ -14,10 +14,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 
-import trainer.config  # noqa: F401  (registers the config schemas)
+from trainer.config import BASE_DIR, CONF_DIR, INSTALLED  # importing it registers the config schemas
 from trainer.loop import distributed, faults
 from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
+
+
+NO_RUN = ("-h", "--help", "--hydra-help", "-i", "--info", "-c", "--cfg", "-sc", "--shell-completion")  # Hydra's: nothing is written
 
 
 class JobFailed(CompactHydraException):
@@ -32,7 +35,9 @@ def one_line(err: BaseException) -> str:
     return f"{text} (run {run_id} marked FAILED)" if run_id else text
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+# The checkout's conf/, or the copy a wheel carries (trainer.config.CONF_DIR): an absolute path,
+# so an installed package finds its configs wherever it is run from.
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg) -> None:
     try:
         run(cfg)
@@ -55,8 +60,23 @@ def _terminate(signum, frame) -> None:
     raise Interrupted(signum)  # SIGTERM's default would end the process without closing the run
 
 
+def check_current_folder(args) -> None:
+    """Installed from a wheel, a run writes outputs/ in the current folder, and Hydra makes its
+    folder there before any of our checks runs: a folder we cannot write in would end in Hydra's
+    traceback. (A checkout writes in its own outputs/, checked with tracking.uri.)"""
+    if not INSTALLED or any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) or a in NO_RUN for a in args):
+        return
+    if not os.access(BASE_DIR, os.W_OK | os.X_OK):
+        key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(args) else "hydra.run.dir"
+        print(f"error: {key}: outputs/ goes in the current folder, and {BASE_DIR} is not writable: run from a "
+              f"writable folder, or set {key}=<a writable folder> and tracking.uri=sqlite:///<a writable "
+              f"folder>/mlflow.db", file=sys.stderr)
+        raise SystemExit(EXIT_FAILED)
+
+
 def cli() -> None:
     """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) ending in one line."""
+    check_current_folder(sys.argv[1:])
     signal.signal(signal.SIGTERM, _terminate)
     distributed.launch()  # under torchrun: join the ranks before Hydra names the output folder
     distributed.quiet_other_ranks()

@@ -16,7 +16,15 @@ from types import SimpleNamespace
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PROJECT_ROOT = Path(__file__).resolve().parent.parent  # a checkout's root (site-packages once installed)
+# A wheel carries the checkout's conf/ inside the package (pyproject.toml maps it to trainer/conf);
+# in a checkout (an editable install) that folder does not exist and conf/ is read where it is.
+_PACKAGED_CONF = Path(__file__).resolve().parent / "conf"
+INSTALLED = _PACKAGED_CONF.is_dir()
+CONF_DIR = _PACKAGED_CONF if INSTALLED else PROJECT_ROOT / "conf"
+# Where outputs/ (runs, Hydra's folders) and data/ go: the checkout's root, wherever you launch
+# from; for an installed package, the current directory (Hydra >= 1.2 does not change it).
+BASE_DIR = Path.cwd() if INSTALLED else PROJECT_ROOT
 
 
 # ----------------------------------------------------------------------------- datasets
@@ -52,7 +60,7 @@ class SyntheticConfig(DatasetConfig):
 class VisionConfig(DatasetConfig):
     """A torchvision dataset read from `root` (downloaded there first when `download=true`)."""
 
-    root: str = str(PROJECT_ROOT / "data")  # folder holding MNIST/raw/ or cifar-10-batches-py/
+    root: str = str(BASE_DIR / "data")  # folder holding MNIST/raw/ or cifar-10-batches-py/
     download: bool = True  # fetch the files when they are missing (needs internet)
     train: bool = True  # true: the training split; false: the test split
     num_samples: int = 0  # use only the first N samples of the split (0 = all of it)
@@ -259,8 +267,8 @@ def register() -> None:
     for group, options in SCHEMAS.items():
         for name, node in options.items():
             cs.store(group=f"schema/{group}", name=name, node=node)
-    if not OmegaConf.has_resolver("project_root"):
-        OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT))
+    if not OmegaConf.has_resolver("base_dir"):
+        OmegaConf.register_new_resolver("base_dir", lambda: str(BASE_DIR))  # Hydra's folders: under outputs/ there
     if not OmegaConf.has_resolver("launch_time"):
         # `${now:}` as rank 0 read it: under torchrun every rank composes its own config, and
         # Hydra's output folder would otherwise differ from rank to rank. Cached, like `now`.

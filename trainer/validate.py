@@ -15,6 +15,7 @@ from trainer.errors import ConfigError
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LOOPS = ("feedbench", "lightning")
+MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
 
 
 def at_least(key: str, value, low, fix) -> None:
@@ -52,8 +53,14 @@ def validate(cfg) -> None:
     if model.name == "mlp" and classes < 2:
         raise ConfigError(f"model=mlp needs labels of at least 2 classes (got dataset.num_classes={classes}): "
                           f"set dataset.num_classes=10, or use model=autoencoder or model=noop")
+    if not (cfg.distributed.timeout_s > 0 and math.isfinite(cfg.distributed.timeout_s)):
+        raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {cfg.distributed.timeout_s}): "
+                          f"set distributed.timeout_s=300")
     if not cfg.tracking.experiment:
         raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
+    if len(cfg.tracking.experiment) > MAX_EXPERIMENT_NAME_LENGTH:
+        raise ConfigError(f"tracking.experiment must be at most {MAX_EXPERIMENT_NAME_LENGTH} characters (got "
+                          f"{len(cfg.tracking.experiment)}): set tracking.experiment=feedbench")
 
 
 def _validate_loop(engine) -> None:

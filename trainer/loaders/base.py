@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
-from typing import Callable, Iterator, Optional, Tuple, Union
+from typing import Iterator, Optional, Tuple
 
 import torch
 
 from datasets.base import FeedDataset
 from trainer.config import plain
-from trainer.errors import ConfigError
 from trainer.loaders.order import EpochSampler, Shard
+from trainer.memory import check_host_fits, chunk_samples_for
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 
@@ -66,16 +65,23 @@ class DeviceLoader:
     def _batches(self) -> Iterator[Batch]:
         """Iterate the DataLoader, remembering the live iterator so its workers can be stopped
         the moment the pass ends or fails, not whenever the iterator is garbage-collected (a
-        traceback can keep it alive, and a dead worker's SIGCHLD error with it)."""
-        self._live = iter(self.dataloader)
-        try:
-            yield from self._live
-        finally:
-            if not self.dataloader.persistent_workers:  # persistent ones serve the next pass; close() stops them
-                self._stop_workers()
+        traceback can keep it alive, and a dead worker's SIGCHLD error with it).
 
-    def _stop_workers(self) -> None:
-        live, self._live = getattr(self, "_live", None), None
+        The pass keeps its own DataLoader and iterator: a pass left suspended may be closed (or
+        garbage-collected) after the strategy's `close()` dropped `self.dataloader`, or while a
+        later pass runs, and must then stop only its own workers."""
+        dataloader = self.dataloader
+        live = self._live = iter(dataloader)
+        try:
+            yield from live
+        finally:
+            if not dataloader.persistent_workers:  # persistent ones serve the next pass; close() stops them
+                self._stop_workers(live)
+
+    def _stop_workers(self, live=None) -> None:
+        """Stop the workers of `live` (by default: of the latest pass)."""
+        if live is None or live is getattr(self, "_live", None):
+            live, self._live = getattr(self, "_live", None), None
         shutdown = getattr(live, "_shutdown_workers", None)  # multi-process iterators only
         if shutdown is not None:
             shutdown()
@@ -119,29 +125,3 @@ class DeviceLoader:
 def pinned_empty(shape, dtype, pin: bool) -> torch.Tensor:
     """Allocate directly in page-locked memory (no pageable copy first, unlike `.pin_memory()`)."""
     return torch.empty(shape, dtype=dtype, pin_memory=pin)
-
-
-def host_available_bytes() -> int:
-    """Host memory that can be allocated without swapping: MemAvailable, else free physical pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_host_fits(needed: int, what: str, fix: Union[str, Callable[[int], str]]) -> None:
-    """Fail before allocating `needed` bytes of host memory the machine does not have (page-locked
-    memory cannot be swapped out, and a pageable overcommit ends in the OOM killer mid-run)."""
-    free = host_available_bytes()
-    if needed > free:
-        raise ConfigError(f"{what} needs {needed / 2**30:.2f} GiB of host memory but only {free / 2**30:.2f} GiB "
-                          f"is available: {fix(free) if callable(fix) else fix}")
-
-
-def chunk_samples_for(sample_bytes: int, free: int) -> int:
-    """`dataset.chunk_samples` that keeps two chunks (what `pinned_chunk` holds) within half of `free`."""
-    return max(1, free // (4 * sample_bytes))

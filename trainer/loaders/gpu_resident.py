@@ -10,9 +10,9 @@ import time
 
 import torch
 
-from trainer.errors import ConfigError
-from trainer.loaders.base import DeviceLoader, check_host_fits
+from trainer.loaders.base import DeviceLoader
 from trainer.loaders.order import Shard, epoch_shard
+from trainer.memory import check_gpu_fits, check_host_fits
 
 
 class GpuResidentLoader(DeviceLoader):
@@ -62,9 +62,4 @@ class GpuResidentLoader(DeviceLoader):
 
 def check_fits(needed: int, device: torch.device) -> None:
     """Fail before allocating when the data cannot fit, saying how much is needed and free."""
-    free, total = torch.cuda.mem_get_info(device)
-    if needed > free:
-        raise ConfigError(
-            f"loader=gpu_resident needs {needed / 2**30:.2f} GiB of GPU memory but only {free / 2**30:.2f} GiB "
-            f"of {total / 2**30:.2f} GiB is free: use loader=pinned_chunk or a smaller dataset.num_samples"
-        )
+    check_gpu_fits(needed, device, "loader=gpu_resident", "use loader=pinned_chunk or a smaller dataset.num_samples")

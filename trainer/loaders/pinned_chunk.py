@@ -23,9 +23,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from trainer.errors import ConfigError
-from trainer.loaders.base import DeviceLoader, check_host_fits, chunk_samples_for, pinned_empty
+from trainer.loaders.base import DeviceLoader, pinned_empty
 from trainer.loaders.order import Shard, epoch_order
 from trainer.loaders.stream import SideStreamCopier
+from trainer.memory import check_host_fits, chunk_samples_for
 
 _STAGES = 2  # staging buffers for straddling batches, used alternately
 

@@ -25,9 +25,10 @@ import numpy as np
 import torch
 
 from trainer.errors import ConfigError, RunFailed
-from trainer.loaders.base import DeviceLoader, check_host_fits, chunk_samples_for, pinned_empty
+from trainer.loaders.base import DeviceLoader, pinned_empty
 from trainer.loaders.order import Shard, epoch_shard
 from trainer.loaders.stream import SideStreamCopier
+from trainer.memory import check_host_fits, chunk_samples_for
 
 THREAD_PREFIX = "pinned-gather"  # the worker threads' names start with this
 

@@ -29,6 +29,7 @@ import torch
 from trainer.errors import ConfigError
 from trainer.loaders.base import DeviceLoader
 from trainer.loaders.order import Shard
+from trainer.memory import check_host_fits
 
 VARIANTS = ("no_pinning", "copy_in_loader", "pin_batches", "pin_chunk")
 IN_PROCESS = ("copy_in_loader", "pin_chunk")  # touch CUDA while loading: DataLoader workers cannot
@@ -47,6 +48,7 @@ class SeedIterableLoader(DeviceLoader):
             raise ConfigError(f"loader.variant={variant} touches CUDA while loading, which loader worker processes cannot "
                               f"do (got loader.num_workers={cfg.num_workers}): set loader.num_workers=0")
         self.needs_cuda = variant != "no_pinning"
+        check_chunks_fit(cfg, dataset, pinned_copy=variant == "pin_chunk" and self.on_cuda)
         self.iterable = dataset.iterable(cfg.batch_size)
         self.iterable.rank, self.iterable.world_size = shard.rank, shard.world_size  # under torchrun: its chunks
         self.epoch = 0
@@ -117,3 +119,14 @@ class SeedIterableLoader(DeviceLoader):
     def close(self):
         super().close()
         self.dataloader = None
+
+
+def check_chunks_fit(cfg, dataset, pinned_copy: bool) -> None:
+    """Every loading process (the main one, or each DataLoader worker) holds one whole chunk while
+    it serves batches from it; `pin_chunk` adds its page-locked copy."""
+    copies = max(1, cfg.num_workers) * (1 + pinned_copy)
+    what = (f"loader=seed_iterable (one chunk of dataset.chunk_samples={dataset.chunk_samples} in each of "
+            f"{max(1, cfg.num_workers)} loading process(es){', and its pinned copy' * pinned_copy})")
+    check_host_fits(copies * dataset.chunk_samples * dataset.sample_bytes, what,
+                    lambda free: f"set dataset.chunk_samples={max(1, free // (2 * copies * dataset.sample_bytes))} "
+                                 f"(chunks within half of what is available) or a smaller dataset.num_samples")

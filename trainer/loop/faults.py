@@ -3,7 +3,7 @@
 - `StopSignals`: SIGINT and SIGTERM raise `Interrupted` while the run builds and trains, and wait
   while it is opened and saved, so an interrupted run is always closed as KILLED with its steps;
 - `LossWatch`: a NaN/inf loss stops the run (`RunFailed` naming the step) without a per-step sync;
-- `explain_faults`: GPU out-of-memory and DataLoader worker failures become one-line `RunFailed`.
+- `explain_faults`: GPU or host out-of-memory and DataLoader worker failures become one-line `RunFailed`.
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ class LossWatch:
 
 @contextlib.contextmanager
 def explain_faults(cfg) -> Iterator[None]:
-    """Turn faults the user can act on into one-line `RunFailed`s: GPU out of memory (naming the
-    strategy and loader.batch_size) and a DataLoader worker that died or raised."""
+    """Turn faults the user can act on into one-line `RunFailed`s: GPU or host out of memory (naming
+    the strategy and loader.batch_size) and a DataLoader worker that died or raised."""
     try:
         yield
     except torch.OutOfMemoryError as e:
@@ -161,6 +161,12 @@ def explain_faults(cfg) -> Iterator[None]:
                         f"set loader.batch_size={max(1, b // 2)} or smaller{resident * (strategy == 'gpu_resident')}") from e
     except Exception as e:
         text = str(e)
+        if isinstance(e, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in text:
+            # Host memory the up-front checks could not foresee (they count a lower bound).
+            b = cfg.loader.batch_size
+            raise RunFailed(f"out of host memory with loader={cfg.loader.name} loader.batch_size={b} "
+                            f"model={cfg.model.name}: set loader.batch_size={max(1, b // 2)} or smaller, "
+                            f"or a smaller dataset.num_samples") from e
         if "DataLoader worker" not in text:
             raise
         lines = [line.strip() for line in text.splitlines() if line.strip()]

@@ -26,6 +26,7 @@ from trainer.tracking.runs import Tracker
 from trainer.tracking.store import check_tracking_uri
 from trainer.validate import check_against_dataset, validate
 from trainer.loop.verify import Checksum
+from trainer.memory import check_model_fits
 
 
 def select_device(name: str) -> torch.device:
@@ -64,6 +65,7 @@ def run(cfg) -> dict:
         with ranks.agree():
             dataset = build_dataset(cfg.dataset)
             check_against_dataset(cfg, dataset)
+            check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
             loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
         graphed = cfg.engine.cuda_graph and device.type == "cuda"
         degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)

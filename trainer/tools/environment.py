@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import platform
 import subprocess
@@ -9,7 +10,7 @@ from typing import Dict, Optional
 
 import torch
 
-from trainer.config import PROJECT_ROOT
+from trainer.config import INSTALLED, PROJECT_ROOT
 
 
 def _cmd(args) -> Optional[str]:
@@ -17,6 +18,13 @@ def _cmd(args) -> Optional[str]:
         out = subprocess.run(args, capture_output=True, text=True, timeout=10, check=True)
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version() -> Optional[str]:
+    try:
+        return importlib.metadata.version("feedbench")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
         return None
 
 
@@ -66,6 +74,8 @@ def describe(device: torch.device) -> Dict[str, object]:
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "device": str(device),
-        "git_commit": _cmd(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"]),
+        "feedbench": _version(),
+        # Installed from a wheel, the package sits in site-packages: any git repository around it is not ours.
+        "git_commit": None if INSTALLED else _cmd(["git", "-C", str(PROJECT_ROOT), "rev-parse", "HEAD"]),
         **gpu_info(device),
     }

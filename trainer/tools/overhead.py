@@ -32,7 +32,7 @@ from typing import Dict, List, Sequence
 
 from hydra import compose, initialize_config_dir
 
-from trainer.config import PROJECT_ROOT
+from trainer.config import CONF_DIR
 
 GRAPH = {"eager": ["false"], "graphed": ["true"], "both": ["false", "true"]}
 QUICK = ["engine.progress=false"]
@@ -41,7 +41,7 @@ QUICK = ["engine.progress=false"]
 def compose_config(overrides: Sequence[str]):
     """The config `python -m trainer <overrides>` would run."""
     import trainer.config  # noqa: F401  (registers the schemas)
-    with initialize_config_dir(config_dir=str(PROJECT_ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
 

@@ -1,8 +1,9 @@
 """MLflow bookkeeping: one run per experiment job, written only outside the timed loop.
 
-Default store: sqlite `outputs/mlflow.db` at the project root, artifacts under `outputs/mlartifacts`,
-both absolute so the UI (`mlflow ui --backend-store-uri sqlite:///.../outputs/mlflow.db`) finds them
-wherever the job was launched from (`trainer.tracking.store`). A job of a sweep is nested under the
+Default store: sqlite `outputs/mlflow.db` at the project root (in the current directory for a
+package installed from a wheel), artifacts under `outputs/mlartifacts`, both absolute so the UI
+(`mlflow ui --backend-store-uri sqlite:///.../outputs/mlflow.db`) finds them wherever the job was
+launched from (`trainer.tracking.store`). A job of a sweep is nested under the
 sweep's parent run (`child_identity`).
 """
 
@@ -25,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.errors import ConfigError
 from trainer.loop.meter import STEP_COLUMNS
 from trainer.tracking import plots
-from trainer.tracking.store import OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten
+from trainer.tracking.store import OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten, store_errors
 
 
 def system_metrics(tracking) -> Optional[bool]:
@@ -91,18 +92,23 @@ class Tracker:
         self.uri = cfg.tracking.uri or default_uri()
         if self.uri == default_uri():
             OUTPUTS.mkdir(parents=True, exist_ok=True)
-        mlflow.set_tracking_uri(self.uri)
-        self.client = MlflowClient(self.uri)
-        exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
-        sweep_name, sweep_tags = child_identity(self.client, cfg)  # nested under tracking.parent_run_id
-        self.run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.tracking.run_name or sweep_name,
-                                    tags={**tags, **sweep_tags}, log_system_metrics=system_metrics(cfg.tracking))
+        with store_errors(self.uri):  # what the up-front check could not foresee: one line, no run
+            mlflow.set_tracking_uri(self.uri)
+            self.client = MlflowClient(self.uri)
+            exp_id = experiment_id(self.client, cfg.tracking.experiment, self.uri)
+            sweep_name, sweep_tags = child_identity(self.client, cfg)  # nested under tracking.parent_run_id
+            self.run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.tracking.run_name or sweep_name,
+                                        tags={**tags, **sweep_tags}, log_system_metrics=system_metrics(cfg.tracking))
         self.run_id = self.run.info.run_id
-        params = flatten(cfg)
-        items = list(params.items())
-        for i in range(0, len(items), 100):  # log_batch takes at most 100 params
-            mlflow.log_params(dict(items[i:i + 100]))
-        mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        try:
+            params = flatten(cfg)
+            items = list(params.items())
+            for i in range(0, len(items), 100):  # log_batch takes at most 100 params
+                mlflow.log_params(dict(items[i:i + 100]))
+            mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+        except BaseException as e:  # the run is open but no `with` block holds it yet: close it here
+            self.__exit__(type(e), e, e.__traceback__)
+            raise
 
     def __enter__(self):
         return self

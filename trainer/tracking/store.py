@@ -1,25 +1,44 @@
 """Where runs are stored: the default sqlite store, its artifact folder, and the up-front check
-that `tracking.uri` can be written. Imported by the run tracker, the sweep and the report alike.
+that runs can be recorded at `tracking.uri`. Imported by the run tracker, the sweep and the report alike.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import http.client
+import json
+import logging
 import os
+import re
+import sqlite3
+import ssl
 import tempfile
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional, Set, Tuple
 
+import mlflow
+from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from trainer.config import PROJECT_ROOT
+from trainer.config import BASE_DIR
 from trainer.errors import ConfigError
 
-OUTPUTS = PROJECT_ROOT / "outputs"
+OUTPUTS = BASE_DIR / "outputs"  # the checkout's outputs/, or ./outputs for an installed package
 PER_STEP_METRICS = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
+DATABASES = ("postgresql", "mysql", "mssql")  # the SQLAlchemy databases MLflow keeps runs in
+HOSTED = ("databricks", "databricks-uc", "uc")  # MLflow checks these itself
+SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
+PIP_NAMES = {"MySQLdb": "mysqlclient", "psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary"}
+
+# MLflow logs at INFO when it creates a database's tables; stderr is kept for what needs reading
+# (a bad input is one line, and these lines would come before it).
+for _name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
+    logging.getLogger(_name).setLevel(logging.WARNING)
 
 
 def default_uri() -> str:
@@ -27,49 +46,232 @@ def default_uri() -> str:
 
 
 def artifact_root(uri: str) -> Optional[str]:
-    """Artifacts beside a local sqlite DB; a server decides for itself."""
-    if uri.startswith("sqlite:///"):
-        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
-    return None
+    """Artifacts beside a local sqlite DB (a relative path is taken from the current folder, as
+    SQLite does); a server decides for itself."""
+    db = sqlite_path(uri)
+    return (db.resolve().parent / "mlartifacts").as_uri() if db is not None else None
 
 
 def experiment_id(client: MlflowClient, name: str, uri: str) -> str:
     """The experiment's id, created on first use with its artifacts beside a sqlite DB."""
     exp = client.get_experiment_by_name(name)
+    if exp is not None and exp.lifecycle_stage == "deleted":  # MLflow refuses new runs in it
+        raise ConfigError(f"tracking.experiment={name} was deleted from {shown(uri)} (it is in MLflow's trash): "
+                          f"restore it (MLFLOW_TRACKING_URI={shown(uri)} mlflow experiments restore "
+                          f"--experiment-id {exp.experiment_id}) or set tracking.experiment=<another name>")
     return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(uri))
+
+
+@contextlib.contextmanager
+def store_errors(uri: str) -> Iterator[None]:
+    """Whatever MLflow still refuses when it opens the store (what `check_tracking_uri` cannot
+    foresee) becomes one line naming `tracking.uri`."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:  # MlflowException, SQLAlchemy's errors, a missing module, OSError
+        reason = " ".join(str(e).split())[:300]
+        raise ConfigError(f"tracking.uri={shown(uri)}: MLflow refused to record the run there ({type(e).__name__}: "
+                          f"{reason}): correct what it names, or set tracking.uri=null to record in {default_uri()}") from None
+
+
+def shown(uri: str) -> str:
+    """`uri` with any password in it masked, for messages."""
+    return re.sub(r"(//[^/:@]*:)[^/@]*@", r"\1***@", uri)
 
 
 PREFLIGHT_TIMEOUT_S = 5.0  # MLflow itself retries an unreachable server for minutes
 
 
 def check_tracking_uri(uri: Optional[str]) -> None:
-    """Fail before anything runs when runs could not be recorded at `tracking.uri`: a server that
-    does not answer, or a sqlite file in a missing or read-only folder."""
+    """Fail before anything runs, in one line naming `tracking.uri` and the fix, when runs could
+    not be recorded there: a server that does not answer or is not MLflow's, a sqlite file in a
+    missing or read-only folder or one that is not an MLflow database of this MLflow's schema,
+    MLflow's refused file store, a database without its driver, or a scheme MLflow does not know."""
     target = uri or default_uri()
-    if target.startswith(("http://", "https://")):
-        try:
-            urllib.request.urlopen(target.rstrip("/") + "/health", timeout=PREFLIGHT_TIMEOUT_S).close()
-        except urllib.error.HTTPError:
-            pass  # the server answered (an error page still proves it is there)
-        except (OSError, http.client.HTTPException) as e:  # refused, timed out, not an HTTP server
-            raise ConfigError(f"tracking.uri={target} is unreachable ({getattr(e, 'reason', e)}): start the MLflow "
-                              f"server there, or set tracking.uri=null to record in {default_uri()}") from None
-    elif target.startswith("sqlite:///"):
-        db = Path(target[len("sqlite:///"):])
-        try:
-            if uri is None:
-                OUTPUTS.mkdir(parents=True, exist_ok=True)
-            elif not db.parent.is_dir():
-                raise ConfigError(f"tracking.uri={target}: folder {db.parent} does not exist: create it "
-                                  f"(mkdir -p {db.parent}) or set tracking.uri=null")
-            with tempfile.TemporaryFile(dir=db.parent):  # sqlite also writes a journal beside the file
-                pass
-            if db.exists() and (db.is_dir() or not os.access(db, os.W_OK)):
-                raise PermissionError(0, f"{db} is not a writable file")
-        except OSError as e:
-            fix = "set tracking.uri=null" if uri else "set tracking.uri=sqlite:////<a writable folder>/mlflow.db"
-            raise ConfigError(f"tracking.uri={target}: cannot write in {db.parent} ({e.strerror or e}): "
-                              f"use a writable folder or {fix}") from None
+    scheme = urllib.parse.urlsplit(target).scheme.lower()
+    scheme = "" if len(scheme) == 1 else scheme  # a Windows drive letter: a path
+    if scheme in ("http", "https"):
+        _check_server(target)
+    elif scheme == "sqlite":
+        _check_sqlite(target, uri is None)
+    elif scheme in ("", "file"):
+        _check_file_store(target)
+    elif scheme.split("+")[0] in DATABASES:  # postgresql+psycopg2://...
+        _check_database_driver(target)
+    elif scheme not in HOSTED:
+        raise ConfigError(f"tracking.uri={shown(target)}: MLflow has no store for {scheme}:// URIs: set "
+                          f"tracking.uri=sqlite:///<folder>/mlflow.db, http(s)://<an MLflow server> or a database URI "
+                          f"({', '.join(s + '://' for s in DATABASES)}), or tracking.uri=null to record in {default_uri()}")
+
+
+# -- an MLflow server ------------------------------------------------------------------------------
+PROBE = "/api/2.0/mlflow/experiments/get-by-name?experiment_name=feedbench"  # any MLflow server answers it in JSON
+
+
+def _check_server(target: str) -> None:
+    request = urllib.request.Request(target.rstrip("/") + PROBE, headers=_auth_headers())
+    try:
+        with urllib.request.urlopen(request, timeout=PREFLIGHT_TIMEOUT_S, context=_tls()) as answer:
+            status, kind, body = answer.status, answer.headers.get_content_type(), answer.read(1 << 16)
+    except urllib.error.HTTPError as e:  # an answer all the same: an MLflow error is JSON too
+        status, kind, body = e.code, e.headers.get_content_type(), e.read(1 << 16)
+    except (OSError, http.client.HTTPException) as e:  # refused, timed out, not an HTTP server
+        raise ConfigError(f"tracking.uri={shown(target)} is unreachable ({getattr(e, 'reason', e)}): start the MLflow "
+                          f"server there, or set tracking.uri=null to record in {default_uri()}") from None
+    if status in (401, 403):
+        raise ConfigError(f"tracking.uri={shown(target)} refused feedbench (HTTP {status}): set MLFLOW_TRACKING_USERNAME "
+                          f"and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) for it, or set tracking.uri=null")
+    if not _from_mlflow(body):
+        raise ConfigError(f"tracking.uri={shown(target)} answers but is not an MLflow tracking server (GET "
+                          f"{PROBE.split('?')[0]}: HTTP {status}, {kind}): give the address and port `mlflow server` "
+                          f"listens on, or set tracking.uri=null to record in {default_uri()}")
+
+
+def _from_mlflow(body: bytes) -> bool:
+    """MLflow's REST API answers with a JSON object: the experiment, or an `error_code`."""
+    try:
+        found = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(found, dict) and ("experiment" in found or "error_code" in found)
+
+
+def _auth_headers() -> Dict[str, str]:
+    """The credentials MLflow's client would send (its environment variables)."""
+    user, password = os.environ.get("MLFLOW_TRACKING_USERNAME"), os.environ.get("MLFLOW_TRACKING_PASSWORD")
+    if user and password:
+        return {"Authorization": "Basic " + base64.b64encode(f"{user}:{password}".encode()).decode()}
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _tls() -> Optional[ssl.SSLContext]:
+    """The TLS settings MLflow's client would use (its environment variables); None: Python's default."""
+    if os.environ.get("MLFLOW_TRACKING_INSECURE_TLS", "").lower() == "true":
+        return ssl._create_unverified_context()
+    cert = os.environ.get("MLFLOW_TRACKING_SERVER_CERT_PATH")
+    return ssl.create_default_context(cafile=cert) if cert else None
+
+
+# -- a sqlite file ---------------------------------------------------------------------------------
+def sqlite_path(uri: str) -> Optional[Path]:
+    """The database file of a `sqlite:///<path>` URI (relative to the current folder unless the
+    path is absolute: `sqlite:////abs/mlflow.db`); None for any other URI, or one naming no file."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///"):].split("?")[0]  # SQLAlchemy takes options after '?'
+    return Path(path) if path not in ("", ":memory:") else None
+
+
+def _check_sqlite(target: str, default: bool) -> None:
+    db = sqlite_path(target)
+    if db is None:  # sqlite:// (in memory), sqlite:///:memory:, sqlite://host/...
+        raise ConfigError(f"tracking.uri={target} names no database file (an in-memory store loses the runs when "
+                          f"the run ends): set tracking.uri=sqlite:///<folder>/mlflow.db (four slashes before an "
+                          f"absolute path), or tracking.uri=null to record in {default_uri()}")
+    try:
+        if default:
+            OUTPUTS.mkdir(parents=True, exist_ok=True)
+        elif not db.parent.is_dir():
+            raise ConfigError(f"tracking.uri={target}: folder {db.parent} does not exist: create it "
+                              f"(mkdir -p {db.parent}) or set tracking.uri=null")
+        if db.is_dir():
+            raise ConfigError(f"tracking.uri={target}: {db} is a folder, not a database file: "
+                              f"set tracking.uri=sqlite:///{db / 'mlflow.db'}")
+        with tempfile.TemporaryFile(dir=db.parent):  # sqlite also writes a journal beside the file
+            pass
+        if db.exists() and not os.access(db, os.W_OK):
+            raise PermissionError(0, f"{db} is read-only")
+    except OSError as e:
+        fix = "set tracking.uri=null" if not default else "set tracking.uri=sqlite:////<a writable folder>/mlflow.db"
+        raise ConfigError(f"tracking.uri={target}: cannot write in {db.parent} ({e.strerror or e}): "
+                          f"use a writable folder or {fix}") from None
+    if db.exists() and db.stat().st_size:  # an empty file is a new database: MLflow makes its tables
+        _check_mlflow_database(db, target)
+
+
+def _check_mlflow_database(db: Path, target: str) -> None:
+    """An existing file must be an MLflow database of this MLflow's schema. Read only, before
+    MLflow opens it: MLflow would add its tables to any SQLite database, another program's too."""
+    new = f"sqlite:///{db.with_name('feedbench-mlflow.db' if db.name != 'feedbench-mlflow.db' else 'runs.db')}"
+    with db.open("rb") as f:
+        if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+            raise ConfigError(f"tracking.uri={target}: {db} is not an SQLite database: set tracking.uri={new} "
+                              f"(a new file), or move that file away")
+    try:
+        with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
+            tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                      if not name.startswith("sqlite_")}
+            revision = (con.execute("SELECT version_num FROM alembic_version").fetchone() or (None,))[0] \
+                if "alembic_version" in tables else None
+    except sqlite3.Error as e:  # damaged, encrypted, locked by another program
+        raise ConfigError(f"tracking.uri={target}: {db} cannot be read as an SQLite database ({e}): "
+                          f"set tracking.uri={new} (a new file), or repair that one") from None
+    if not tables:
+        return
+    if not {"experiments", "runs", "alembic_version"} <= tables:
+        listed = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
+        raise ConfigError(f"tracking.uri={target}: {db} is another program's SQLite database (tables {listed}), "
+                          f"not an MLflow store: set tracking.uri={new} (a file of its own)")
+    _check_schema(revision, target, new)
+
+
+def _check_schema(revision: Optional[str], target: str, new: str) -> None:
+    head, known = mlflow_schemas()
+    if head is None or revision == head:
+        return
+    if revision in known:
+        raise ConfigError(f"tracking.uri={target} holds runs of an older MLflow (database schema {revision}; MLflow "
+                          f"{mlflow.__version__} needs {head}): back the file up and upgrade it (mlflow db upgrade "
+                          f"{target}), or set tracking.uri={new} (a new file)")
+    raise ConfigError(f"tracking.uri={target} was written by a newer MLflow than {mlflow.__version__} (database schema "
+                      f"{revision}): upgrade MLflow (pip install -U mlflow), or set tracking.uri={new} (a new file)")
+
+
+def mlflow_schemas() -> Tuple[Optional[str], Set[str]]:
+    """This MLflow's database schema (its latest migration) and every earlier one."""
+    try:  # MLflow's migrations have no public API: if these names move, MLflow's own check speaks
+        from alembic.script import ScriptDirectory
+        from mlflow.store.db.utils import _get_alembic_config
+
+        script = ScriptDirectory.from_config(_get_alembic_config(""))
+        return script.get_current_head(), {r.revision for r in script.walk_revisions()}
+    except Exception:
+        return None, set()
+
+
+# -- MLflow's file store, other databases ----------------------------------------------------------
+def _check_file_store(target: str) -> None:
+    folder = Path(urllib.parse.unquote(urllib.parse.urlsplit(target).path) if target.startswith("file:") else target)
+    db = f"sqlite:///{(folder if folder.suffix == '.db' else folder / 'mlflow.db').resolve()}"
+    try:
+        allowed = MLFLOW_ALLOW_FILE_STORE.get()
+    except ValueError:  # MLflow itself would fail on it with a traceback
+        raise ConfigError(f"tracking.uri={target} is MLflow's file store, and MLFLOW_ALLOW_FILE_STORE="
+                          f"{os.environ.get('MLFLOW_ALLOW_FILE_STORE')!r} is neither true nor false: unset it and set "
+                          f"tracking.uri={db}, or export MLFLOW_ALLOW_FILE_STORE=true") from None
+    if not allowed:
+        raise ConfigError(f"tracking.uri={target} is MLflow's file store, which MLflow 3 refuses unless "
+                          f"MLFLOW_ALLOW_FILE_STORE=true is set: set tracking.uri={db} (or export MLFLOW_ALLOW_FILE_STORE=true)")
+    existing = next(p for p in [folder, *folder.resolve().parents] if p.exists())
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"tracking.uri={target}: cannot write in {existing} (not a writable folder): "
+                          f"use a writable folder or set tracking.uri=null")
+
+
+def _check_database_driver(target: str) -> None:
+    import sqlalchemy
+
+    try:
+        sqlalchemy.engine.make_url(target).get_dialect().import_dbapi()
+    except ModuleNotFoundError as e:
+        raise ConfigError(f"tracking.uri={shown(target)}: the database's Python driver is not installed (no module "
+                          f"{e.name}): pip install {PIP_NAMES.get(e.name, e.name)}, or set tracking.uri=null") from None
+    except sqlalchemy.exc.SQLAlchemyError as e:  # a malformed URI, an unknown driver name
+        raise ConfigError(f"tracking.uri={shown(target)} is not a database URI SQLAlchemy can read ({e}): "
+                          f"write it as postgresql://user:password@host:port/database, or set tracking.uri=null") from None
 
 
 def flatten(cfg) -> Dict[str, str]:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, read_write
 from trainer.loop import distributed, faults
 from trainer.tracking import plots, report
 from trainer.tracking.runs import child_identity, job_value
-from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten
+from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten, store_errors
 
 PARENT_KEY = "tracking.parent_run_id"
 
@@ -51,10 +51,11 @@ def start_parent(tracking: DictConfig, name: str, keys: Sequence[str], tags: Dic
     """Create the sweep's parent run (status RUNNING) and return its id."""
     check_tracking_uri(tracking.uri)
     uri = tracking.uri or default_uri()
-    client = MlflowClient(uri)
-    exp_id = experiment_id(client, tracking.experiment, uri)
-    run = client.create_run(exp_id, run_name=name[:250],
-                            tags={"sweep": "true", "sweep.keys": ",".join(keys), **tags})
+    with store_errors(uri):
+        client = MlflowClient(uri)
+        exp_id = experiment_id(client, tracking.experiment, uri)
+        run = client.create_run(exp_id, run_name=name[:250],
+                                tags={"sweep": "true", "sweep.keys": ",".join(keys), **tags})
     return run.info.run_id
 
 

@@ -1,0 +1,87 @@
+"""Memory checks made before an allocation that an input sizes: the dataset's labels, a strategy's
+buffers, the model's weights and a batch's activations. Each fails with one `ConfigError` saying
+what needs how much, what is available and which key to change, instead of a MemoryError or the
+OOM killer half-way through the run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, Union
+
+import torch
+
+from trainer.errors import ConfigError
+
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd": 0}  # tensors the optimizer keeps per parameter
+
+
+def host_available_bytes() -> int:
+    """Host memory that can be allocated without swapping: MemAvailable, else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_fits(needed: int, what: str, fix: Union[str, Callable[[int], str]]) -> None:
+    """Fail before allocating `needed` bytes of host memory the machine does not have (page-locked
+    memory cannot be swapped out, and a pageable overcommit ends in the OOM killer mid-run)."""
+    free = host_available_bytes()
+    if needed > free:
+        raise ConfigError(f"{what} needs {needed / 2**30:.2f} GiB of host memory but only {free / 2**30:.2f} GiB "
+                          f"is available: {fix(free) if callable(fix) else fix}")
+
+
+def check_gpu_fits(needed: int, device: torch.device, what: str, fix: Union[str, Callable[[int], str]]) -> None:
+    """Fail before allocating `needed` bytes on `device` when they are not free there."""
+    free, total = torch.cuda.mem_get_info(device)
+    if needed > free:
+        raise ConfigError(f"{what} needs {needed / 2**30:.2f} GiB of GPU memory but only {free / 2**30:.2f} GiB "
+                          f"of {total / 2**30:.2f} GiB is free: {fix(free) if callable(fix) else fix}")
+
+
+def chunk_samples_for(sample_bytes: int, free: int) -> int:
+    """`dataset.chunk_samples` that keeps two chunks (what `pinned_chunk` holds) within half of `free`."""
+    return max(1, free // (4 * sample_bytes))
+
+
+def check_model_fits(cfg, dataset, device: torch.device) -> None:
+    """Before the model is built: its float32 weights, their gradients and the optimizer's state,
+    plus one batch's activations (a lower bound: the input and every layer's output), must fit in
+    the memory of `device` (and the weights in host memory, where they are made first)."""
+    from models import layer_sizes  # the model registry imports torch.nn: only when a run needs it
+
+    params, widths = layer_sizes(cfg.model, dataset.sample_shape, dataset.num_classes)
+    if not params:
+        return  # model=noop: nothing is allocated per parameter or per layer
+    batch = min(cfg.loader.batch_size, len(dataset))
+    optimizer = cfg.engine.optimizer.name
+    weights = 4 * params * (2 + OPTIMIZER_STATES.get(optimizer, 2))
+    per_sample = 4 * (math.prod(dataset.sample_shape) + widths)  # float32 model input and layer outputs
+    what = (f"model={cfg.model.name} ({params:,} parameters with their gradients and {optimizer}'s state, and "
+            f"the activations of loader.batch_size={batch})")
+
+    def fix(free: int) -> str:
+        if weights < free // 2 and batch > 1:  # the weights fit: the batch is too large
+            return f"set loader.batch_size={max(1, (free // 2 - weights) // per_sample)} or smaller"
+        return f"set a smaller {' or '.join(_size_keys(cfg))}"
+
+    if device.type == "cuda":
+        check_gpu_fits(weights + batch * per_sample, device, what, fix)
+        check_host_fits(4 * params, f"model={cfg.model.name} ({params:,} parameters, made on the host first)", fix)
+    else:
+        check_host_fits(weights + batch * per_sample, what, fix)
+
+
+def _size_keys(cfg) -> list:
+    """The keys that size the model: its own widths, and the input and output sizes the dataset sets."""
+    keys = [f"model.{k}" for k in ("hidden", "bottleneck") if k in cfg.model]
+    if cfg.model.name == "mlp" and "num_classes" in cfg.dataset:
+        keys.append("dataset.num_classes")
+    return keys + ["dataset.shape"] * ("shape" in cfg.dataset)
