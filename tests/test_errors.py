@@ -12,6 +12,8 @@ import os
 import re
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -320,6 +322,22 @@ def test_a_sqlite_file_mlflow_cannot_use_is_refused_untouched(tmp_path, make, pa
     proc = run_cli(tmp_path, uri, *TINY)
     error_line(proc, rf"^error: tracking\.uri={uri}:? .*" + pattern.format(db=db, folder=tmp_path))
     assert before is None or db.read_bytes() == before  # MLflow did not add its tables to it
+
+
+def test_a_database_another_process_is_making_is_not_refused(tmp_path):
+    """A sweep's jobs open a new database at once: while one makes MLflow's tables, the others
+    see them half-made (another program's tables, an older schema) and must wait, not refuse."""
+    from trainer.tracking.store import check_tracking_uri
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    maker = subprocess.Popen([sys.executable, "-c", f"from mlflow.tracking import MlflowClient; "
+                                                    f"MlflowClient({uri!r}).search_experiments()"])
+    try:
+        while maker.poll() is None:
+            check_tracking_uri(uri)
+    finally:
+        maker.wait(timeout=120)
+    assert maker.returncode == 0
+    check_tracking_uri(uri)
 
 
 @pytest.mark.parametrize("uri,pattern", [

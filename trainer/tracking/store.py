@@ -14,6 +14,7 @@ import re
 import sqlite3
 import ssl
 import tempfile
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -192,6 +193,9 @@ def _check_sqlite(target: str, default: bool) -> None:
         _check_mlflow_database(db, target)
 
 
+SETTLE_S = 1.0  # a database whose tables another process is making changes within this
+
+
 def _check_mlflow_database(db: Path, target: str) -> None:
     """An existing file must be an MLflow database of this MLflow's schema. Read only, before
     MLflow opens it: MLflow would add its tables to any SQLite database, another program's too."""
@@ -200,34 +204,53 @@ def _check_mlflow_database(db: Path, target: str) -> None:
         if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
             raise ConfigError(f"tracking.uri={target}: {db} is not an SQLite database: set tracking.uri={new} "
                               f"(a new file), or move that file away")
+    # Another process may be making MLflow's tables in a new database right now (a sweep's jobs
+    # start at once, a test prepares the store): between two of MLflow's migrations its tables
+    # and schema look like another program's or an older MLflow's. A verdict against the file
+    # stands once the file has stopped changing.
+    state = _tables_and_schema(db, target, new)
+    problem = _problem(*state, db, target, new)
+    deadline = time.monotonic() + 20 * SETTLE_S
+    while problem and time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
+        again = _tables_and_schema(db, target, new)
+        if again == state:
+            break
+        state, problem = again, _problem(*again, db, target, new)
+    if problem:
+        raise ConfigError(problem)
+
+
+def _tables_and_schema(db: Path, target: str, new: str) -> Tuple[frozenset, Optional[str]]:
+    """The database's tables and the schema revision MLflow stamped in it (None: no stamp)."""
     try:
         with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
-            tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-                      if not name.startswith("sqlite_")}
-            revision = (con.execute("SELECT version_num FROM alembic_version").fetchone() or (None,))[0] \
-                if "alembic_version" in tables else None
+            tables = frozenset(name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+                               if not name.startswith("sqlite_"))
+            stamp = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None
     except sqlite3.Error as e:  # damaged, encrypted, locked by another program
         raise ConfigError(f"tracking.uri={target}: {db} cannot be read as an SQLite database ({e}): "
                           f"set tracking.uri={new} (a new file), or repair that one") from None
+    return tables, stamp[0] if stamp else None
+
+
+def _problem(tables: frozenset, revision: Optional[str], db: Path, target: str, new: str) -> Optional[str]:
+    """What keeps MLflow from recording runs in a database of these tables and schema (None: nothing)."""
     if not tables:
-        return
+        return None  # a new database: MLflow makes its tables
     if not {"experiments", "runs", "alembic_version"} <= tables:
         listed = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        raise ConfigError(f"tracking.uri={target}: {db} is another program's SQLite database (tables {listed}), "
-                          f"not an MLflow store: set tracking.uri={new} (a file of its own)")
-    _check_schema(revision, target, new)
-
-
-def _check_schema(revision: Optional[str], target: str, new: str) -> None:
+        return (f"tracking.uri={target}: {db} is another program's SQLite database (tables {listed}), "
+                f"not an MLflow store: set tracking.uri={new} (a file of its own)")
     head, known = mlflow_schemas()
     if head is None or revision == head:
-        return
+        return None
     if revision in known:
-        raise ConfigError(f"tracking.uri={target} holds runs of an older MLflow (database schema {revision}; MLflow "
-                          f"{mlflow.__version__} needs {head}): back the file up and upgrade it (mlflow db upgrade "
-                          f"{target}), or set tracking.uri={new} (a new file)")
-    raise ConfigError(f"tracking.uri={target} was written by a newer MLflow than {mlflow.__version__} (database schema "
-                      f"{revision}): upgrade MLflow (pip install -U mlflow), or set tracking.uri={new} (a new file)")
+        return (f"tracking.uri={target} holds runs of an older MLflow (database schema {revision}; MLflow "
+                f"{mlflow.__version__} needs {head}): back the file up and upgrade it (mlflow db upgrade "
+                f"{target}), or set tracking.uri={new} (a new file)")
+    return (f"tracking.uri={target} was written by a newer MLflow than {mlflow.__version__} (database schema "
+            f"{revision}): upgrade MLflow (pip install -U mlflow), or set tracking.uri={new} (a new file)")
 
 
 def mlflow_schemas() -> Tuple[Optional[str], Set[str]]:
