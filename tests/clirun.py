@@ -57,19 +57,25 @@ def steps_csv(uri: str, run_id: str) -> List[dict]:
     return list(csv.DictReader(io.StringIO(local.read_text())))
 
 
-def wait_for_running(uri: str, proc: subprocess.Popen, count: int = 1, timeout: float = 120, settle: float = 5.0):
-    """Block until `count` runs are RUNNING-or-done and the newest is RUNNING, then `settle`
-    seconds more (steps are taken meanwhile: nothing is logged inside the loop to poll for)."""
+def at_the_loop(run) -> bool:
+    """The run is open and has built its loader: it tags `degraded` right before the model and the
+    loop (nothing is logged inside the loop to poll for)."""
+    return run.info.status == "RUNNING" and "degraded" in run.data.tags
+
+
+def wait_for_running(uri: str, proc: subprocess.Popen, count: int = 1, timeout: float = 120, settle: float = 2.5):
+    """Block until `count` runs are RUNNING-or-done and the newest is RUNNING with its loader
+    built (`at_the_loop`), then `settle` seconds more: steps are taken meanwhile."""
     MlflowClient(uri).search_experiments()  # create the store's tables before the child opens it
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         runs = [r for r in all_runs(uri) if r.data.tags.get("sweep") != "true"]
-        if len(runs) >= count and runs[-1].info.status == "RUNNING":
+        if len(runs) >= count and at_the_loop(runs[-1]):
             time.sleep(settle)
             return runs
         time.sleep(0.2)
-    raise AssertionError(f"no RUNNING run after {timeout} s")
+    raise AssertionError(f"no RUNNING run at its loop after {timeout} s")
 
 
 def children_of(pid: int) -> List[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,23 @@ def compose_config(*overrides: str):
         return compose("config", overrides=list(overrides))
 
 
+@pytest.fixture(scope="session")
+def empty_store(tmp_path_factory) -> Path:
+    """An MLflow sqlite store with its tables created and nothing in it (MLflow's schema
+    migrations take seconds: done once per session, then copied)."""
+    db = tmp_path_factory.mktemp("store") / "empty.db"
+    MlflowClient(f"sqlite:///{db}").search_experiments()
+    return db
+
+
 @pytest.fixture
-def tracking_uri(tmp_path: Path) -> str:
-    """A fresh sqlite MLflow store for one test."""
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+def tracking_uri(request, tmp_path: Path, empty_store: Path) -> str:
+    """A sqlite MLflow store of one test's own, empty. Tests marked `fresh_store` get no file at
+    all: the code under test creates the store, as on a first run."""
+    db = tmp_path / "mlflow.db"
+    if request.node.get_closest_marker("fresh_store") is None:
+        shutil.copyfile(empty_store, db)
+    return f"sqlite:///{db}"
 
 
 @pytest.fixture
@@ -44,6 +58,11 @@ def runs(tracking_uri):
         exp = client.get_experiment_by_name(experiment)
         return client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"]) if exp else []
     return read
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fresh_store: the test's tracking_uri names no file yet "
+                                       "(the code under test creates the store, as on a first run)")
 
 
 def pytest_collection_modifyitems(config, items):

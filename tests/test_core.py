@@ -5,8 +5,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -162,31 +160,40 @@ def test_cuda_device_without_cuda_is_an_error(tiny_cfg):
         run(tiny_cfg("engine.device=cuda"))
 
 
-def test_main_command_and_sweep_from_another_directory(tmp_path, tracking_uri, runs):
-    """`python -m trainer -m ...` from elsewhere: three runs in the store named by the URI."""
-    cmd = [sys.executable, "-m", "trainer", "-m", "loader=baseline,pinned,prefetch", "engine.max_steps=4",
-           "dataset.num_samples=64", "dataset.shape=[8,8]", "engine.progress=false", f"tracking.uri={tracking_uri}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    found = runs()
-    children = [r for r in found if r.data.tags.get("strategy")]
-    assert sorted(r.data.tags["strategy"] for r in children) == ["baseline", "pinned", "prefetch"]
-    assert all(r.info.status == "FINISHED" for r in children)
-    assert not (tmp_path / "outputs").exists()  # nothing written relative to where it was launched
-
-
-def test_overhead_tool_compares_the_cli_with_a_plain_loop_in_alternating_repeats(tmp_path):
+def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):
+    """`python -m trainer.overhead ...` (its main, here: it starts the two processes it compares)."""
+    from trainer.overhead import main
     table = tmp_path / "overhead.md"
-    proc = subprocess.run([sys.executable, "-m", "trainer.overhead", "--repeats", "2", "--loaders", "pinned",
-                           "--markdown", str(table), "engine.device=cpu", "dataset.num_samples=96",
-                           "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=12",
-                           "engine.warmup_steps=2"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    repeats = [line.split() for line in proc.stdout.splitlines() if line.strip().startswith("repeat")]
-    assert len(repeats) == 2
-    for words in repeats:  # "repeat 1: engine E ms/step, plain P ms/step, ratio R"
-        engine, plain, ratio = float(words[3]), float(words[6]), float(words[9])
-        assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)  # printed rounded
+    main(["--repeats", "1", "--loaders", "pinned", "--markdown", str(table), "engine.device=cpu", "dataset.num_samples=96",
+          "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=12", "engine.warmup_steps=2"])
+    stdout = capsys.readouterr().out
+    (words,) = [line.split() for line in stdout.splitlines() if line.strip().startswith("repeat")]
+    # "repeat 1: engine E ms/step, plain P ms/step, ratio R"
+    engine, plain, ratio = float(words[3]), float(words[6]), float(words[9])
+    assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)  # printed rounded
     (row,) = [line for line in table.read_text().splitlines() if line.startswith("| `pinned`")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "no" and float(cells[2]) > 0 and float(cells[3]) > 0
+    assert cells[1] == "no" and float(cells[2]) == pytest.approx(engine, abs=1e-3) and float(cells[3]) == pytest.approx(plain, abs=1e-3)
+
+
+def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkeypatch):
+    """`--repeats N`: N engine/plain pairs, one process after the other, each pair's ratio, the medians."""
+    from trainer.tools import overhead
+    started = []
+
+    def engine_run(overrides, tmp):
+        started.append("engine")
+        return {"ms_per_step": [2.0, 4.0, 3.0][len(started) // 2], "host_page_faults_per_step": 1.0,
+                "host_cpu_ms_per_step": 1.0}
+
+    def plain_run(overrides, tmp):
+        started.append("plain")
+        return {"plain_ms_per_step": 1.0, "plain_host_page_faults_per_step": 0.0, "plain_host_cpu_ms_per_step": 0.5}
+    monkeypatch.setattr(overhead, "engine_run", engine_run)
+    monkeypatch.setattr(overhead, "plain_run", plain_run)
+    lines = []
+    out = overhead.measure(["loader=pinned"], 3, tmp_path, log=lines.append)
+    assert started == ["engine", "plain"] * 3
+    assert [line.split()[:2] for line in lines] == [["repeat", "1:"], ["repeat", "2:"], ["repeat", "3:"]]
+    assert (out["engine_ms"], out["plain_ms"], out["ratio"], out["ratio_min"], out["ratio_max"]) == (3.0, 1.0, 3.0, 2.0, 4.0)
+    assert out["engine_spread"] == 2.0

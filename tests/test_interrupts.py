@@ -16,7 +16,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from clirun import LONG, TINY, all_runs, children_of, command, error_line, steps_csv, wait_for_running
+from clirun import LONG, TINY, all_runs, at_the_loop, children_of, command, error_line, steps_csv, wait_for_running
 from trainer.errors import Interrupted
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.faults import StopSignals
@@ -131,13 +131,14 @@ def test_ctrl_c_stops_a_sweep_and_keeps_the_finished_jobs(tmp_path, tracking_uri
 
 
 # -- in one process ----------------------------------------------------------------------------------
-def signal_when_running(uri: str, sig: int) -> threading.Thread:
-    """Send `sig` to this process once a run is RUNNING and has had time to take steps."""
+def signal_when_running(uri: str, sig: int, settle: float = 2.5) -> threading.Thread:
+    """Send `sig` to this process once a run is RUNNING at its loop (`at_the_loop`) and has had
+    `settle` seconds to take steps."""
     def watch():
         MlflowClient(uri).search_experiments()
-        while not [r for r in all_runs(uri) if r.info.status == "RUNNING"]:
+        while not [r for r in all_runs(uri) if at_the_loop(r)]:
             time.sleep(0.2)
-        time.sleep(5)
+        time.sleep(settle)
         os.kill(os.getpid(), sig)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
+import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
 
@@ -149,11 +152,35 @@ def test_seed_presets_keep_the_seeds_sizes():
 
 
 # ----------------------------------------------------------------------------- on the CPU, through the CLI
+@pytest.fixture(scope="module", autouse=True)
+def preset_sweeps(request, tmp_path_factory, data_root, empty_store):
+    """`preset_sweeps(preset)`: (tracking URI, the finished process) of `python -m trainer -m
+    experiment=<preset>` at its tiny size. The sweeps of the presets this session runs start with
+    the module, at most one per CPU core at a time, each with its own store, while the module's
+    other tests run; each test below waits for its own."""
+    selected = [item.callspec.params["preset"] for item in request.session.items
+                if item.originalname == "test_seed_preset_runs_every_combination_on_cpu"]
+
+    def sweep(preset: str):
+        folder = tmp_path_factory.mktemp(preset)
+        shutil.copyfile(empty_store, folder / "mlflow.db")
+        uri = f"sqlite:///{folder / 'mlflow.db'}"
+        tiny = [o.format(root=data_root) for o in SEED_PRESETS[preset][1]]
+        return uri, run_cli(folder, uri, "-m", f"experiment={preset}", *tiny, "engine.device=cpu", timeout=600)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as pool:
+        # the sweeps with the most jobs first: the last to start are the short ones
+        started = {preset: pool.submit(sweep, preset) for preset in sorted(selected, key=lambda p: -SEED_PRESETS[p][0])}
+        yield lambda preset: started[preset].result()
+        for future in started.values():
+            future.cancel()  # those a failed test left unstarted
+
+
 @pytest.mark.parametrize("preset", list(SEED_PRESETS))
-def test_seed_preset_runs_every_combination_on_cpu(preset, tmp_path, tracking_uri, data_root):
+def test_seed_preset_runs_every_combination_on_cpu(preset, data_root, preset_sweeps):
     jobs, tiny = SEED_PRESETS[preset]
     tiny = [o.format(root=data_root) for o in tiny]
-    proc = run_cli(tmp_path, tracking_uri, "-m", f"experiment={preset}", *tiny, "engine.device=cpu")
+    tracking_uri, proc = preset_sweeps(preset)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     client = MlflowClient(tracking_uri)
@@ -168,6 +195,9 @@ def test_seed_preset_runs_every_combination_on_cpu(preset, tmp_path, tracking_ur
     ran = {tuple(r.data.params.get(k, "None") for k in SETTING) for r in children}
     assert ran == expected
     assert len({r.info.run_name for r in children}) == jobs  # every job named apart
+    for override in tiny:  # the files tests/fake_data.py wrote, read through torchvision by every job
+        if override.startswith("dataset.root="):
+            assert all(r.data.params["dataset.root"] == str(data_root) for r in children)
     check = PER_PRESET.get(preset)
     if check:
         check(children)
@@ -197,7 +227,7 @@ def _check_lightning(children):
     assert set(by_loop["lightning"]) == set(by_loop["feedbench"]) == {"seed_iterable", "pinned", "prefetch", "pinned_chunk", "gpu_resident"}
     for strategy, theirs in by_loop["lightning"].items():
         ours = by_loop["feedbench"][strategy]
-        # the seed's 2 loads x 4 batches per epoch, 2 epochs; the map-style ones 64 / 8 per epoch
+        # engine.max_steps=16: the seed's 2 loads x 4 batches per epoch, 2 epochs; the map-style ones 64 / 8 per epoch
         assert theirs.data.metrics["total_steps"] == ours.data.metrics["total_steps"] == 16
         assert theirs.data.metrics["final_loss"] == ours.data.metrics["final_loss"]  # the same training, either loop
         assert "lightning_fraction" in theirs.data.metrics and "lightning_fraction" not in ours.data.metrics
@@ -210,8 +240,14 @@ def _check_seed001(children):
         assert r.data.metrics["trace_h2d_copies"] == 0  # profiled, on the CPU: no GPU copies in the trace
 
 
+def _check_seed003(children):
+    for r in children:  # MNIST's 128 training images of the fake files, 3 batches of 64
+        assert (r.data.tags["dataset"], r.data.tags["model"]) == ("mnist", "mlp")
+        assert (r.data.metrics["total_steps"], r.data.metrics["total_samples"]) == (3, 3 * 64)
+
+
 PER_PRESET = {"seed000_copy": _check_copy, "seed000_loaders": _check_loaders, "limits": _check_limits,
-              "seed000_lightning": _check_lightning, "seed001": _check_seed001}
+              "seed000_lightning": _check_lightning, "seed001": _check_seed001, "seed003": _check_seed003}
 
 
 # ----------------------------------------------------------------------------- seed 000's own loader

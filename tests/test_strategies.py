@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from typing import Tuple
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from trainer.loaders import build_loader
 from trainer.loaders.order import epoch_order
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.run import run
+from trainer.loop.verify import Checksum
+
+from conftest import TINY, compose_config
 
 # seed_iterable draws seed 000's random rows (with replacement): it reproduces that seed rather than
 # delivering baseline's samples, and is tested with its preset (test_presets.py).
@@ -24,23 +28,32 @@ def checksums(tiny_cfg, strategy, *overrides):
     run(tiny_cfg(f"loader={strategy}", "engine.verify=true", "engine.epochs=2", *overrides))
 
 
-def _tags(runs):
-    return [(r.data.tags["strategy"], r.data.tags["data_checksum"], r.data.tags["epoch_checksums"]) for r in runs()]
+def verified(strategy: str, *overrides: str) -> Tuple[str, Tuple[str, ...]]:
+    """The checksums `engine.verify=true` records for 2 epochs of `strategy`, seeded as a run seeds
+    its loader: its `data_checksum` (every byte, in batch order) and its `epoch_checksums`. (A
+    run's recording of them: test_pinned_gather_shuffled_checksum_equals_baselines.)"""
+    cfg = compose_config(*TINY, f"loader={strategy}", *overrides)
+    device = torch.device("cpu")
+    checksum = Checksum(device)
+    with build_loader(cfg.loader, build_dataset(cfg.dataset), device, seed=cfg.engine.seed) as loader:
+        for _ in range(2):
+            for x, y in loader:
+                checksum.update(x, y)
+            checksum.end_epoch()
+        batches = 2 * len(loader)
+    result = checksum.result()
+    assert int(result["verified_batches"]) == batches
+    return result["data_checksum"], tuple(result["epoch_checksums"])
 
 
 @pytest.mark.parametrize("chunks", [1, 3, 5])
-def test_unshuffled_batches_are_byte_identical_in_order(tiny_cfg, runs, chunks):
-    for s in STRATEGIES:
-        checksums(tiny_cfg, s, "loader.shuffle=false", f"dataset.chunks={chunks}")
-    found = {s: (ordered, epochs) for s, ordered, epochs in _tags(runs)}
-    assert set(found) == set(STRATEGIES)
+def test_unshuffled_batches_are_byte_identical_in_order(chunks):
+    found = {s: verified(s, "loader.shuffle=false", f"dataset.chunks={chunks}") for s in STRATEGIES}
     assert len({v for v in found.values()}) == 1, found
 
 
-def test_shuffled_epochs_cover_the_same_samples(tiny_cfg, runs):
-    for s in STRATEGIES:
-        checksums(tiny_cfg, s, "dataset.chunks=3")
-    found = {s: (ordered, epochs) for s, ordered, epochs in _tags(runs)}
+def test_shuffled_epochs_cover_the_same_samples():
+    found = {s: verified(s, "dataset.chunks=3") for s in STRATEGIES}
     assert len({epochs for _, epochs in found.values()}) == 1, found  # same samples each epoch
     # strategies that gather by index follow baseline's order exactly; pinned_chunk orders by slices
     same_order = {s for s in STRATEGIES if s != "pinned_chunk"}

@@ -26,10 +26,11 @@ SMALL = ["engine.max_steps=8", "dataset.num_samples=128", "dataset.shape=[8,8]",
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def multirun(tmp_path: Path, uri: str, *overrides: str, env=None) -> subprocess.CompletedProcess:
-    """`python -m trainer -m ...` from a scratch directory, tracked in `uri`."""
+def multirun(tmp_path: Path, uri: str, *overrides: str, env=None, sweep_dir: bool = True) -> subprocess.CompletedProcess:
+    """`python -m trainer -m ...` from a scratch directory, tracked in `uri`; Hydra's output folders
+    in `tmp_path` (`sweep_dir=False`: where the config puts them)."""
     cmd = [sys.executable, "-m", "trainer", "-m", *overrides, *SMALL, f"tracking.uri={uri}",
-           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+           *([f"hydra.sweep.dir={tmp_path / 'multirun'}"] if sweep_dir else [])]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                           env=dict(os.environ, **(env or {})))
 
@@ -54,9 +55,14 @@ def csv_rows(text: str):
     return list(csv.DictReader(io.StringIO(text)))
 
 
+@pytest.mark.fresh_store
 def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tracking_uri):
-    proc = multirun(tmp_path, tracking_uri, "loader=baseline,pinned", "model=mlp,autoencoder", "engine.device=cpu")
+    """Launched from a scratch directory, into a store the sweep creates: everything lands in the
+    store named by the URI and in the project's output folders, nothing where it was launched."""
+    proc = multirun(tmp_path, tracking_uri, "loader=baseline,pinned", "model=mlp,autoencoder", "engine.device=cpu",
+                    sweep_dir=False)
     assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db"]  # the store, beside its DB
     client, parent, children = parent_and_children(tracking_uri)
 
     assert parent.info.status == "FINISHED"

@@ -19,6 +19,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from trainer.loop.run import run
+from trainer.tracking import sweep
+
 pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("FEEDBENCH_CHROMIUM", "/usr/bin/chromium")
@@ -55,19 +58,19 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def small_sweep(tmp_path, tracking_uri):
-    """A 2-job sweep recorded by the real command: (experiment id, parent run, child runs)."""
-    cmd = [sys.executable, "-m", "trainer", "-m", "loader=baseline,pinned", "engine.max_steps=4",
-           "dataset.num_samples=64", "dataset.shape=[8,8]", "engine.progress=false", "engine.device=cpu",
-           f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
+def small_sweep(tiny_cfg, tracking_uri):
+    """A 2-job sweep, recorded as `python -m trainer -m loader=baseline,pinned` records it (the
+    command's own sweeps: test_sweep.py): (experiment id, parent run, child runs)."""
+    parent_id = sweep.start_parent(tiny_cfg().tracking, "sweep loader=baseline,pinned", ["loader"], {})
+    for strategy in ("baseline", "pinned"):
+        run(tiny_cfg(f"loader={strategy}", "engine.max_steps=4", f"tracking.parent_run_id={parent_id}"))
+    sweep.finish_parent(tracking_uri, parent_id)
     client = MlflowClient(tracking_uri)
     exp_id = client.get_experiment_by_name("feedbench").experiment_id
     found = client.search_runs([exp_id])
     (parent,) = [r for r in found if r.data.tags.get("sweep") == "true"]
     children = [r for r in found if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
-    assert len(children) == 2
+    assert parent.info.status == "FINISHED" and len(children) == 2
     return exp_id, parent, children
 
 
