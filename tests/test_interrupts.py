@@ -7,6 +7,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -17,9 +18,9 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from clirun import LONG, TINY, all_runs, at_the_loop, children_of, command, error_line, steps_csv, wait_for_running
-from trainer.errors import Interrupted
+from trainer.errors import Interrupted, RunFailed
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
-from trainer.loop.faults import StopSignals
+from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.run import run
 
 
@@ -108,11 +109,39 @@ def test_a_dead_worker_fails_the_run_in_one_line_keeping_its_steps(tmp_path, tra
     os.kill(worker, signal.SIGKILL)
     _, stderr = proc.communicate(timeout=60)
     error_line(subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr),
-               rf"a DataLoader worker failed with loader\.num_workers=2: DataLoader worker \(pid(?:\(s\))? {worker}\) "
-               rf".*: rerun with loader\.num_workers=0 .*\(run {r.info.run_id} marked FAILED\)")
+               # PyTorch names the dead worker, unless the read of a batch it was sending broke first
+               rf"a DataLoader worker failed with loader\.num_workers=2: (?:DataLoader worker \(pid(?:\(s\))? {worker}\) "
+               rf"|the connection to a DataLoader worker broke while it sent a batch ).*: rerun with loader\.num_workers=0 .*\(run {r.info.run_id} marked FAILED\)")
     r = MlflowClient(tracking_uri).get_run(r.info.run_id)
     assert r.info.status == "FAILED" and "DataLoader worker" in r.data.tags["error"]
     assert len(steps_csv(tracking_uri, r.info.run_id)) >= 1
+
+
+class _DialsNobody(torch.utils.data.Dataset):
+    """Each sample opens a multiprocessing connection to a port nothing listens on (loopback)."""
+
+    def __init__(self, port: int):
+        self.port = port
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i):
+        from multiprocessing.connection import Client
+        return Client(("127.0.0.1", self.port))
+
+
+def test_a_connection_broken_while_reading_a_batch_is_one_line(tiny_cfg):
+    # What a worker killed while it sends a batch looks like to the main process: a connection
+    # error from multiprocessing, raised inside the DataLoader's iteration.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before the dataset dials it
+    with pytest.raises(RunFailed, match=r"^a DataLoader worker failed with loader\.num_workers=2: the connection to a "
+                                        r"DataLoader worker broke while it sent a batch \(ConnectionRefusedError: .*\): "
+                                        r"rerun with loader\.num_workers=0"):
+        with explain_faults(tiny_cfg("loader.num_workers=2")):
+            next(iter(torch.utils.data.DataLoader(_DialsNobody(port))))
 
 
 def test_ctrl_c_stops_a_sweep_and_keeps_the_finished_jobs(tmp_path, tracking_uri):

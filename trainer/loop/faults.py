@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import threading
+import traceback
 from typing import Iterator, Optional
 
 import torch
@@ -167,6 +168,12 @@ def explain_faults(cfg) -> Iterator[None]:
             raise RunFailed(f"out of host memory with loader={cfg.loader.name} loader.batch_size={b} "
                             f"model={cfg.model.name}: set loader.batch_size={max(1, b // 2)} or smaller, "
                             f"or a smaller dataset.num_samples") from e
+        if _worker_connection_broke(e):
+            # The worker died while sending a batch: the main process's read of it fails before
+            # PyTorch's SIGCHLD check can name the worker.
+            raise RunFailed(f"a DataLoader worker failed with loader.num_workers={cfg.loader.num_workers}: the "
+                            f"connection to a DataLoader worker broke while it sent a batch ({type(e).__name__}: "
+                            f"{e}): rerun with loader.num_workers=0 to see the error in the main process") from e
         if "DataLoader worker" not in text:
             raise
         lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -175,3 +182,11 @@ def explain_faults(cfg) -> Iterator[None]:
         what = lines[0].rstrip(".") + (f" ({lines[-1]})" if len(lines) > 1 else "")
         raise RunFailed(f"a DataLoader worker failed with loader.num_workers={cfg.loader.num_workers}: {what}: "
                         f"rerun with loader.num_workers=0 to see the error in the main process") from e
+
+
+def _worker_connection_broke(e: BaseException) -> bool:
+    """A connection error raised while the DataLoader read a batch from a worker process."""
+    if not isinstance(e, (ConnectionError, EOFError)):
+        return False
+    files = [frame.filename.replace(os.sep, "/") for frame in traceback.extract_tb(e.__traceback__)]
+    return any("torch/utils/data/" in f for f in files) and any("multiprocessing/" in f for f in files)
