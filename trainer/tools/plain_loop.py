@@ -33,6 +33,7 @@ from omegaconf import OmegaConf
 from datasets import build_dataset
 from models import build_model
 from trainer.loaders import build_loader
+from trainer.loop.engine import planned_steps
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.tools.heap import keep_freed
 
@@ -59,8 +60,7 @@ def measure(cfg) -> dict:
     graphed = bool(cfg.engine.cuda_graph) and device.type == "cuda"
     model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device)
     step = make_step(model, build_optimizer(cfg.engine.optimizer, model, capturable=graphed), graphed)
-    max_steps, epochs, warmup = cfg.engine.max_steps, cfg.engine.epochs, cfg.engine.warmup_steps
-    total = max_steps if max_steps > 0 else epochs * len(loader)
+    total, warmup = planned_steps(cfg.engine, loader), cfg.engine.warmup_steps  # the engine's own length
     done, t0, usage0 = 0, None, None
     with loader:
         while done < total:
