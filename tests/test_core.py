@@ -229,3 +229,13 @@ def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkey
     assert [line.split()[:2] for line in lines] == [["repeat", "1:"], ["repeat", "2:"], ["repeat", "3:"]]
     assert (out["engine_ms"], out["plain_ms"], out["ratio"], out["ratio_min"], out["ratio_max"]) == (3.0, 1.0, 3.0, 2.0, 4.0)
     assert out["engine_spread"] == 2.0
+
+
+@pytest.mark.parametrize("module", ["trainer.tools.plain_loop", "trainer.overhead"])
+def test_overhead_tools_refuse_a_bad_override_in_one_line(module):
+    """A key the model does not have: one line naming it, exit 1, as `python -m trainer` does."""
+    proc = subprocess.run([sys.executable, "-m", module, "model=noop", "model.hidden=64"],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: ") and "model.hidden" in proc.stderr and "Traceback" not in proc.stderr

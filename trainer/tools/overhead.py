@@ -39,10 +39,18 @@ QUICK = ["engine.progress=false"]
 
 
 def compose_config(overrides: Sequence[str]):
-    """The config `python -m trainer <overrides>` would run."""
+    """The config `python -m trainer <overrides>` would run; a bad override ends the program
+    with Hydra's one-line reason, as `python -m trainer` does."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     import trainer.config  # noqa: F401  (registers the schemas)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose("config", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as e:
+        reason = " ".join(str(e).split())  # Hydra's message spans lines: the key and the fix, on one
+        raise SystemExit(f"error: {reason}") from None
 
 
 def _run(cmd: List[str], cwd: Path) -> subprocess.CompletedProcess:

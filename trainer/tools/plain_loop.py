@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from datasets import build_dataset
 from models import build_model
+from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import build_loader
 from trainer.loop.engine import planned_steps
 from trainer.loop.steps import build_optimizer, make_step
@@ -128,7 +129,11 @@ def main() -> None:
     else:
         from trainer.tools.overhead import compose_config
         cfg = compose_config(args.overrides)
-    print(json.dumps(measure(cfg)), flush=True)
+    try:
+        figures = measure(cfg)
+    except (ConfigError, RunFailed) as e:  # what `python -m trainer` reports in one line, this does too
+        raise SystemExit(f"error: {e}") from None
+    print(json.dumps(figures), flush=True)
 
 
 if __name__ == "__main__":
