@@ -61,7 +61,13 @@ class PinnedGatherLoader(DeviceLoader):
         self._src_x, self._src_y = _row_bytes(self.x), self.y.numpy()
         self._dst_x = [_row_bytes(s) for s in self.slots_x]
         self._dst_y = [s.numpy() for s in self.slots_y]
-        self.last_copy = [None] * self.num_slots  # event of the latest copy reading each slot (CUDA)
+        # One event per slot, made once and recorded by each copy that reads the slot. A gather
+        # thread waits on it before refilling the slot; with a step queued ahead of the GPU that
+        # wait lasts milliseconds, so the event blocks (the thread sleeps) instead of spinning a
+        # core on the driver beside the loop's thread. Re-recording is safe: a slot is copied
+        # again only after its gather, which began after the wait on the previous record ended.
+        self.slot_events = [torch.cuda.Event(blocking=True) for _ in range(self.num_slots)] if self.on_cuda else None
+        self.last_copy = [None] * self.num_slots  # the slot's event once a copy has recorded it (CUDA)
         self.pending: Deque = deque()  # (epoch, batch, slot, future) of the queued gathers, in order
         self.upcoming: Iterator = iter(())  # the batches to queue next (`_schedule`)
         self.queued = 0  # gathers queued so far: the next one fills slot `queued % num_slots`
@@ -158,7 +164,7 @@ class PinnedGatherLoader(DeviceLoader):
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         host = self._host_batches(epoch)
-        copies = self.copier.run(host, on_copied=self._copied)
+        copies = self.copier.run(host, on_copied=self._copied, events=self.slot_events)
         try:
             for x, y in copies:
                 # uint8 crossed PCIe as uint8; it becomes model input here, on the device.
@@ -176,7 +182,7 @@ class PinnedGatherLoader(DeviceLoader):
         self.pending.clear()
         self.x = self.y = self.slots_x = self.slots_y = None
         self._src_x = self._src_y = None
-        self._dst_x, self._dst_y, self.last_copy = [], [], []
+        self._dst_x, self._dst_y, self.last_copy, self.slot_events = [], [], [], None
 
 
 def _result(future) -> int:

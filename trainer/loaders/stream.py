@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -25,8 +25,11 @@ class SideStreamCopier:
         self.reuses_host_buffers = reuses_host_buffers
         self.stream = torch.cuda.Stream(loader.device) if loader.on_cuda else None
 
-    def run(self, host_batches: Iterable, on_copied: Optional[Callable] = None) -> Iterator[Batch]:
-        """`host_batches` yields `(batch, tag)`; returns device batches in the same order."""
+    def run(self, host_batches: Iterable, on_copied: Optional[Callable] = None,
+            events: Optional[Sequence[torch.cuda.Event]] = None) -> Iterator[Batch]:
+        """`host_batches` yields `(batch, tag)`; returns device batches in the same order.
+        `events`, indexed by tag: the event each copy records (one per host buffer, made once);
+        without them every copy records a new one."""
         loader = self.loader
         if self.stream is None:  # CPU: nothing to overlap
             for batch, _ in host_batches:
@@ -43,7 +46,7 @@ class SideStreamCopier:
             batch, tag = item
             with torch.cuda.stream(self.stream):
                 dev = loader._copy(batch, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event() if events is None else events[tag]
                 done.record(self.stream)
             if on_copied is not None:
                 on_copied(tag, done)
