@@ -66,8 +66,8 @@ class PinnedGatherLoader(DeviceLoader):
         # wait lasts milliseconds, so the event blocks (the thread sleeps) instead of spinning a
         # core on the driver beside the loop's thread. Re-recording is safe: a slot is copied
         # again only after its gather, which began after the wait on the previous record ended.
+        # Before its first copy a slot's event is unrecorded, and waiting on it returns at once.
         self.slot_events = [torch.cuda.Event(blocking=True) for _ in range(self.num_slots)] if self.on_cuda else None
-        self.last_copy = [None] * self.num_slots  # the slot's event once a copy has recorded it (CUDA)
         self.pending: Deque = deque()  # (epoch, batch, slot, future) of the queued gathers, in order
         self.upcoming: Iterator = iter(())  # the batches to queue next (`_schedule`)
         self.queued = 0  # gathers queued so far: the next one fills slot `queued % num_slots`
@@ -117,7 +117,7 @@ class PinnedGatherLoader(DeviceLoader):
             epoch, i, rows = batch
             slot = self.queued % self.num_slots
             self.queued += 1
-            future = self.pool.submit(self._gather, slot, rows, self.last_copy[slot])
+            future = self.pool.submit(self._gather, slot, rows, self.slot_events[slot] if self.slot_events else None)
             self.pending.append((epoch, i, slot, future))
 
     def _drop_gathers(self) -> None:
@@ -158,13 +158,10 @@ class PinnedGatherLoader(DeviceLoader):
                     # for every copy on the side stream, so no slot is refilled while the DMA reads it.
                     self.copier.stream.synchronize()
 
-    def _copied(self, slot: int, event) -> None:
-        self.last_copy[slot] = event
-
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         host = self._host_batches(epoch)
-        copies = self.copier.run(host, on_copied=self._copied, events=self.slot_events)
+        copies = self.copier.run(host, events=self.slot_events)
         try:
             for x, y in copies:
                 # uint8 crossed PCIe as uint8; it becomes model input here, on the device.
@@ -182,7 +179,7 @@ class PinnedGatherLoader(DeviceLoader):
         self.pending.clear()
         self.x = self.y = self.slots_x = self.slots_y = None
         self._src_x = self._src_y = None
-        self._dst_x, self._dst_y, self.last_copy, self.slot_events = [], [], [], None
+        self._dst_x, self._dst_y, self.slot_events = [], [], None
 
 
 def _result(future) -> int:
