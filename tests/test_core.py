@@ -209,13 +209,14 @@ def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):
 
 
 def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkeypatch):
-    """`--repeats N`: N engine/plain pairs, one process after the other, each pair's ratio, the medians."""
+    """`--repeats N`: N engine/plain pairs, one process after the other, the side that goes first
+    alternating from pair to pair; each pair's ratio, the medians."""
     from trainer.tools import overhead
     started = []
 
     def engine_run(overrides, tmp):
         started.append("engine")
-        return {"ms_per_step": [2.0, 4.0, 3.0][len(started) // 2], "host_page_faults_per_step": 1.0,
+        return {"ms_per_step": [2.0, 4.0, 3.0][started.count("engine") - 1], "host_page_faults_per_step": 1.0,
                 "host_cpu_ms_per_step": 1.0}
 
     def plain_run(overrides, tmp):
@@ -225,7 +226,7 @@ def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkey
     monkeypatch.setattr(overhead, "plain_run", plain_run)
     lines = []
     out = overhead.measure(["loader=pinned"], 3, tmp_path, log=lines.append)
-    assert started == ["engine", "plain"] * 3
+    assert started == ["engine", "plain", "plain", "engine", "engine", "plain"]
     assert [line.split()[:2] for line in lines] == [["repeat", "1:"], ["repeat", "2:"], ["repeat", "3:"]]
     assert (out["engine_ms"], out["plain_ms"], out["ratio"], out["ratio_min"], out["ratio_max"]) == (3.0, 1.0, 3.0, 2.0, 4.0)
     assert out["engine_spread"] == 2.0

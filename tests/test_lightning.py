@@ -299,14 +299,17 @@ def profiled_steps(trace: Path):
                    if (m := re.fullmatch(r"ProfilerStep#(\d+)", str(e.get("name", ""))))})
 
 
-@pytest.mark.parametrize("warmup,expected", [(8, [3, 4, 5, 6, 7]), (3, [1, 2]), (1, [1])])
-def test_profiler_traces_the_last_warm_up_steps(warmup, expected, tmp_path):
+@pytest.mark.parametrize("warmup,expected,synced", [(8, [3, 4, 5, 6, 7], (3, 8)), (3, [1, 2], (1, 3)), (1, [1], (1,))])
+def test_profiler_traces_the_last_warm_up_steps(warmup, expected, synced, tmp_path):
     from trainer.tools.profiling import StepProfiler
     profiler = StepProfiler(True, tmp_path, skip=warmup)
     for _ in range(12):
         torch.ones(8).sum()
         profiler.step()
     assert profiled_steps(profiler.close()) == expected  # only with a warm-up of 1 is a timed step traced
+    # On a GPU the device is synced after the step before the first traced one and after the
+    # last traced one (steps counted from 1), never after a timed step.
+    assert profiler.sync_after == synced and max(synced) <= warmup
 
 
 # ----------------------------------------------------------------------------- for Lightning users
@@ -414,12 +417,12 @@ def test_gpu_checksums_equal_under_both_loops(tiny_cfg, runs):
 @pytest.mark.gpu
 @pytest.mark.parametrize("loop", ["feedbench", "lightning"])
 def test_gpu_trace_side_stream_copies_overlap_and_lightning_does_not_copy_again(loop, tiny_cfg, runs, tracking_uri):
-    common = ("model=noop", "model.busy_ms=2", "engine.profile=true", "engine.epochs=2", "engine.warmup_steps=12",
+    common = ("model=noop", "model.busy_ms=20", "engine.profile=true", "engine.epochs=2", "engine.warmup_steps=12",
               f"engine.loop={loop}")
     prefetch = run(gpu(tiny_cfg, "loader=prefetch", *common))
     in_line = run(gpu(tiny_cfg, "loader=pinned", *common))
     assert prefetch["trace_h2d_copies"] >= 2 * 5 and in_line["trace_h2d_copies"] >= 2 * 5  # x and y, 5 traced steps
-    assert prefetch["trace_h2d_overlap_fraction"] > 0.5  # copied while the 2 ms step ran
+    assert prefetch["trace_h2d_overlap_fraction"] > 0.5  # hidden behind the 20 ms steps (all but the first traced batch)
     assert in_line["trace_h2d_overlap_fraction"] < 0.1  # queued on the compute stream, in line with the steps
     r = next(r for r in runs() if r.data.tags["strategy"] == "prefetch")
     events = json.loads(Path(MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json")).read_text())["traceEvents"]

@@ -12,8 +12,9 @@ times each, two fresh processes on the same composed config:
   script, timed over the same steps the same way (a device sync at both ends of the timed region).
 
 It prints each pair's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per variant,
-the medians, with the host's minor page faults and CPU time per step on each side. Alternating
-the two makes drift in the machine's speed hit both alike. Any override works
+the medians, with the host's minor page faults and CPU time per step on each side. The pairs
+alternate which side runs first (engine, plain; plain, engine; ...), so drift in the machine's
+speed hits both alike. Any override works
 (`model=noop`, `engine.device=cpu`, `experiment=bench_seed0` for seed 000's workload).
 """
 
@@ -81,14 +82,19 @@ def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[st
     """`repeats` alternating engine/plain pairs for one variant; medians and per-pair ratios."""
     engine, plain = [], []
     for r in range(repeats):
-        t0 = time.perf_counter()
-        engine.append(engine_run(overrides, tmp))
-        t1 = time.perf_counter()
-        plain.append(plain_run(overrides, tmp))
-        t2 = time.perf_counter()
+        # Engine first in odd pairs, plain loop first in even ones (E P P E E P ...): a machine
+        # that speeds up or slows down over the pairs then favours neither side.
+        seconds = {}
+        for side in (("engine", "plain") if r % 2 == 0 else ("plain", "engine")):
+            t0 = time.perf_counter()
+            if side == "engine":
+                engine.append(engine_run(overrides, tmp))
+            else:
+                plain.append(plain_run(overrides, tmp))
+            seconds[side] = time.perf_counter() - t0
         e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
         log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f} "
-            f"(processes: {t1 - t0:.0f} s and {t2 - t1:.0f} s)")
+            f"(processes: engine {seconds['engine']:.0f} s, plain {seconds['plain']:.0f} s)")
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
     return {"engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),

@@ -28,6 +28,9 @@ class StepProfiler:
     def __init__(self, enabled: bool, out_dir: Path, skip: int, active: int = 5):
         self.trace: Optional[Path] = None
         self._prof = None
+        self.steps = 0
+        self.sync_after: Tuple[int, ...] = ()  # steps after which the device is synced (see below)
+        self._cuda = False
         if not enabled:
             return
         activities = [ProfilerActivity.CPU]
@@ -35,6 +38,13 @@ class StepProfiler:
             activities.append(ProfilerActivity.CUDA)
         active = min(active, max(1, skip - 1))
         wait = max(0, skip - active - 1)
+        # The device is synced right before recording starts and right before it stops (on the
+        # steps that end there), while still in the warm-up. A loop that runs ahead of the GPU
+        # would otherwise record copies that ran beside kernels launched before the window
+        # (which the trace does not hold) and kernels that ran after it: the copies would look
+        # serialised when they were hidden. The timed steps are not synced.
+        self.sync_after = tuple(n for n in (wait + 1, wait + 1 + active) if n <= skip)
+        self._cuda = torch.cuda.is_available()
         self.trace = Path(out_dir) / "trace.json"
         self._prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=1, active=active, repeat=1),
                              on_trace_ready=lambda p: p.export_chrome_trace(str(self.trace)))
@@ -42,6 +52,9 @@ class StepProfiler:
 
     def step(self) -> None:
         if self._prof is not None:
+            self.steps += 1
+            if self._cuda and self.steps in self.sync_after:
+                torch.cuda.synchronize()
             self._prof.step()
 
     def close(self) -> Optional[Path]:
