@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -230,6 +231,17 @@ def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkey
     assert [line.split()[:2] for line in lines] == [["repeat", "1:"], ["repeat", "2:"], ["repeat", "3:"]]
     assert (out["engine_ms"], out["plain_ms"], out["ratio"], out["ratio_min"], out["ratio_max"]) == (3.0, 1.0, 3.0, 2.0, 4.0)
     assert out["engine_spread"] == 2.0
+    assert 1.0 < out["ratio_ci_low"] < 3.0 < out["ratio_ci_high"]  # three pairs, all slower: the interval excludes 1
+
+
+def test_overhead_interval_says_whether_the_pairs_tell_the_ratio_from_one():
+    from trainer.tools.overhead import ratio_interval
+    assert ratio_interval([1.1, 1.1, 1.1]) == pytest.approx((1.1, 1.1))  # pairs that agree: no doubt left
+    # Two pairs, 10% apart each way: the t interval (12.71 for one degree of freedom) is wide.
+    assert ratio_interval([math.exp(0.1), math.exp(-0.1)]) == pytest.approx((math.exp(-1.271), math.exp(1.271)))
+    low, high = ratio_interval([1.02, 0.98, 1.03, 0.99, 1.01])
+    assert 0.97 < low < 1.0 < high < 1.04
+    assert all(math.isnan(v) for v in ratio_interval([1.2]))  # one pair says nothing about its spread
 
 
 @pytest.mark.parametrize("module", ["trainer.tools.plain_loop", "trainer.overhead"])

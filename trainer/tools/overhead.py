@@ -11,17 +11,19 @@ times each, two fresh processes on the same composed config:
 - `python -m trainer.tools.plain_loop <overrides>`: `for x, y in loader: step(x, y)` in a plain
   script, timed over the same steps the same way (a device sync at both ends of the timed region).
 
-It prints each pair's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per variant,
-the medians, with the host's minor page faults and CPU time per step on each side. The pairs
-alternate which side runs first (engine, plain; plain, engine; ...), so drift in the machine's
-speed hits both alike. Any override works
-(`model=noop`, `engine.device=cpu`, `experiment=bench_seed0` for seed 000's workload).
+It prints each pair's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per
+variant, the medians and a 95% interval of the ratio (whether the pairs tell it apart from 1),
+with the host's minor page faults and CPU time per step on each side. The pairs alternate which
+side runs first (engine, plain; plain, engine; ...), so drift in the machine's speed hits both
+alike. Any override works (`model=noop`, `engine.device=cpu`, `experiment=bench_seed0` for seed
+000's workload).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -97,8 +99,10 @@ def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[st
             f"(processes: engine {seconds['engine']:.0f} s, plain {seconds['plain']:.0f} s)")
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
+    low, high = ratio_interval(ratios)
     return {"engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ratio_ci_low": low, "ratio_ci_high": high,
             "engine_spread": max(x["ms_per_step"] for x in engine) / min(x["ms_per_step"] for x in engine),
             "engine_faults": med(engine, "host_page_faults_per_step"),
             "plain_faults": med(plain, "plain_host_page_faults_per_step"),
@@ -106,15 +110,37 @@ def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[st
             "plain_cpu_ms": med(plain, "plain_host_cpu_ms_per_step")}
 
 
+# Student's t, two-sided 95%, by degrees of freedom (1..10); 2.0 beyond (within 5% up to 60 pairs).
+_T95 = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+
+
+def ratio_interval(ratios: Sequence[float]) -> tuple:
+    """95% confidence interval of the engine ÷ plain ratio from the pairs' ratios (a t interval
+    on their logarithms: ratios multiply). It says whether the pairs can tell the ratio from 1:
+    an interval that holds 1.05 has not shown the engine within 5%. Needs two pairs (else nan)."""
+    if len(ratios) < 2:
+        return math.nan, math.nan
+    logs = [math.log(r) for r in ratios]
+    t = _T95[len(logs) - 2] if len(logs) - 1 <= len(_T95) else 2.0
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.fmean(logs)
+    return math.exp(mean - half), math.exp(mean + half)
+
+
 def table(rows: List[dict]) -> str:
-    head = ("| loader | CUDA graph | engine ms/step | plain loop ms/step | engine ÷ plain (min–max) "
+    head = ("| loader | CUDA graph | engine ms/step | plain loop ms/step | engine ÷ plain (min–max) | 95% interval "
             "| engine max/min | page faults/step engine / plain | host CPU ms/step engine / plain |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|")
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|")
     lines = [f"| `{r['loader']}` | {'yes' if r['graph'] == 'true' else 'no'} | {r['engine_ms']:.3f} | {r['plain_ms']:.3f} "
-             f"| {r['ratio']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {r['engine_spread']:.2f} "
+             f"| {r['ratio']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {_interval(r)} | {r['engine_spread']:.2f} "
              f"| {r['engine_faults']:.0f} / {r['plain_faults']:.0f} | {r['engine_cpu_ms']:.2f} / {r['plain_cpu_ms']:.2f} |"
              for r in rows]
     return "\n".join([head, *lines])
+
+
+def _interval(row: dict) -> str:
+    low, high = row["ratio_ci_low"], row["ratio_ci_high"]
+    return "–" if math.isnan(low) else f"{low:.2f}–{high:.2f}"
 
 
 def main(argv=None) -> None:
