@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
@@ -35,13 +34,9 @@ from models import build_model
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import build_loader
 from trainer.loop.engine import planned_steps
+from trainer.loop.meter import host_usage  # the engine's own count of faults and CPU time
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.tools.heap import keep_freed
-
-
-def _usage():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_minflt, r.ru_utime + r.ru_stime
 
 
 def _sync(device) -> None:
@@ -70,11 +65,11 @@ def measure(cfg) -> dict:
                 done += 1
                 if done == warmup:
                     _sync(device)
-                    t0, usage0 = time.perf_counter(), _usage()
+                    t0, usage0 = time.perf_counter(), host_usage()
                 if done == total:
                     break
     _sync(device)
-    t1, usage1 = time.perf_counter(), _usage()
+    t1, usage1 = time.perf_counter(), host_usage()
     timed = done - warmup
     if t0 is None or timed <= 0:
         return {"plain_timed_steps": 0}
