@@ -170,6 +170,59 @@ def test_the_meter_keeps_no_step_tensor_alive():
     assert [row["step"] for row in result.rows] == [1, 2, 3, 4, 5] and result.summary["timed_steps"] == 4
 
 
+def _steps(meter, values, watch=None, mid=None):
+    """Feed `values` as the losses of consecutive steps; `mid(meter, step)` is called after each."""
+    import torch
+    for i, v in enumerate(values):
+        meter.wait_begin()
+        meter.step_begin(4)
+        meter.step_end(torch.tensor(float(v)) * 1.0)
+        if watch is not None:
+            watch.after_step(i + 1)
+        if mid is not None:
+            mid(meter, i + 1)
+
+
+def test_the_loss_log_holds_every_step_across_batches_blocks_and_early_reads():
+    import torch
+    from trainer.loop import meter as m
+    meter = m.StepMeter(torch.device("cpu"), warmup_steps=0, capacity=40)  # room for 64, then grows
+    early = {}
+    # Reads in the middle of a batch of held losses (the NaN check may ask at any step) must see them.
+    _steps(meter, range(5000), mid=lambda mt, s: early.setdefault(s, mt.losses(s - 3, s).tolist()) if s in (7, 33, 64, 4097) else None)
+    assert early == {7: [4.0, 5.0, 6.0], 33: [30.0, 31.0, 32.0], 64: [61.0, 62.0, 63.0], 4097: [4094.0, 4095.0, 4096.0]}
+    assert meter.losses(0, 5000).tolist() == [float(v) for v in range(5000)]
+    rows = meter.finish().rows
+    assert [r["loss"] for r in rows[-3:]] == [4997.0, 4998.0, 4999.0] and len(rows) == 5000
+    assert all(t is None or t.dim() == 0 for t in meter._held) and len(meter._held) == m.LOSS_BATCH  # a fixed ring
+
+
+@pytest.mark.parametrize("bad_step", [1, 31, 32, 33, 70, 95])
+def test_loss_watch_names_the_first_bad_step(bad_step):
+    import torch
+    from trainer.errors import RunFailed
+    from trainer.loop.faults import LossWatch
+    from trainer.loop.meter import StepMeter
+    meter = StepMeter(torch.device("cpu"), warmup_steps=0, capacity=100)
+    watch = LossWatch(meter, lr=0.5)
+    values = [1.0] * 100
+    values[bad_step - 1], values[min(bad_step + 2, 99)] = float("nan"), float("inf")  # the first one is named
+    with pytest.raises(RunFailed, match=rf"loss became nan at step {bad_step} \(engine.optimizer.lr=0.5\)"):
+        _steps(meter, values, watch)
+        watch.final()
+
+
+def test_loss_watch_passes_finite_losses():
+    import torch
+    from trainer.loop.faults import LossWatch
+    from trainer.loop.meter import StepMeter
+    meter = StepMeter(torch.device("cpu"), warmup_steps=0, capacity=10)
+    watch = LossWatch(meter, lr=0.5)
+    _steps(meter, [float(i) for i in range(77)], watch)
+    watch.final()
+    assert watch.checked == 77 and watch.pending is None
+
+
 def test_warmup_is_excluded_from_summaries(tiny_cfg):
     summary = run(tiny_cfg("engine.warmup_steps=4"))
     assert summary["timed_steps"] == 2 and summary["total_steps"] == 6

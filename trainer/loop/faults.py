@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 from trainer.errors import Interrupted, RunFailed
+from trainer.loop.meter import LOSS_BATCH
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 stopped_by: Optional[int] = None  # the signal that stopped this process, for exit hooks (a sweep's parent run)
@@ -87,20 +88,22 @@ class StopSignals:
 class LossWatch:
     """Stops a run whose loss became NaN or inf, without syncing the device in the loop.
 
-    Every `every` steps the losses the meter kept since the last check are reduced on the device
-    to one number (the offset of the first non-finite loss, or -1), copied to page-locked host
-    memory without blocking, and an event is recorded. That verdict is read at a later check,
-    once its event has completed (`Event.query()` never blocks), so a bad loss stops the run
-    within about 2 x `every` steps. `final()` checks the rest after the loop. The host buffer and
-    the event are made once and reused: one verdict is in flight at a time.
+    Every `every` steps (the meter's `LOSS_BATCH`, when it writes its loss log) the losses logged
+    since the last check are reduced on the device to one flag (all finite?), copied to
+    page-locked host memory without blocking, and an event is recorded: three device ops, which
+    is all this costs the loop. That verdict is read at a later check, once its event has
+    completed (`Event.query()` never blocks), so a bad loss stops the run within about
+    2 x `every` steps; only then is the first bad step looked for (the run stops, a sync is
+    fine). `final()` checks the rest after the loop. The host flag and the event are made once
+    and reused: one verdict is in flight at a time.
     """
 
-    def __init__(self, meter, lr: float, every: int = 20):
+    def __init__(self, meter, lr: float, every: int = LOSS_BATCH):
         self.meter, self.lr, self.every = meter, lr, every
         self.cuda = meter.device.type == "cuda"
         self.checked = 0  # steps covered by verdicts already issued
-        self.pending: Optional[int] = None  # first step covered by the verdict in flight
-        self._host = torch.empty((), dtype=torch.int64, pin_memory=self.cuda)
+        self.pending: Optional[tuple] = None  # (first, last) step covered by the verdict in flight
+        self._host = torch.empty((), dtype=torch.bool, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
 
     def after_step(self, step: int) -> None:
@@ -127,11 +130,10 @@ class LossWatch:
         losses = self.meter.losses(self.checked, upto)
         if not len(losses):
             return
-        bad = ~torch.isfinite(losses)
-        self._host.copy_(torch.where(bad.any(), bad.int().argmax(), -1), non_blocking=self.cuda)
+        self._host.copy_(torch.isfinite(losses).all(), non_blocking=self.cuda)
         if self.cuda:
             self._event.record()
-        self.pending, self.checked = self.checked, upto
+        self.pending, self.checked = (self.checked, upto), upto
 
     def _wait_and_read(self) -> None:
         if self.cuda:
@@ -139,12 +141,12 @@ class LossWatch:
         self._read()
 
     def _read(self) -> None:
-        start, self.pending = self.pending, None
-        offset = int(self._host)
-        if offset < 0:
+        (start, stop), self.pending = self.pending, None
+        if bool(self._host):
             return
-        step = start + offset + 1  # steps are numbered from 1, as in steps.csv
-        value = float(self.meter.losses(step - 1, step)[0])  # the run stops here: a sync is fine
+        losses = self.meter.losses(start, stop)
+        step = start + int((~torch.isfinite(losses)).int().argmax()) + 1  # steps are numbered from 1, as in steps.csv
+        value = float(losses[step - start - 1])
         raise RunFailed(f"loss became {value} at step {step} (engine.optimizer.lr={self.lr}): lower "
                         f"engine.optimizer.lr or check the input data", step=step)
 

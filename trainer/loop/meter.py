@@ -7,14 +7,21 @@ Host timers measure what the host experiences: waiting for the next batch, and e
 Over the timed steps the meter also reads the process's minor page faults and CPU time
 (`getrusage`), so a loop whose host side thrashes shows it.
 
-The meter allocates nothing per step that outlives the step. Everything it keeps (events, the
-loss of every step, host timings) is allocated before the loop for the planned number of steps.
-This matters more than it looks: small long-lived allocations made between steps (a CUDA event,
-a cloned loss tensor) land in the gaps glibc's allocator leaves around each freed multi-megabyte
-batch, so the next batch no longer fits in the hole the last one left; the heap grows, is trimmed
-back to the OS, and every page of every new batch is faulted in again (thousands of page faults
-and milliseconds per step for a 16 MB pageable batch). A plain loop does not do that, and the
-meter must not either.
+What the meter does per step must cost the loop nothing measurable, and in an eager step every
+CUDA call counts: with the GPU busy and hundreds of kernels in flight, each one (an event
+record, a 4-byte copy) takes 20-40 us of the loop thread's time, not the few microseconds it
+takes on an idle device. So the meter makes two event records per step (and the copy probe two
+per copy) and nothing more: the step's loss tensor is kept as it is for up to `LOSS_BATCH` steps
+and the batch of them is written into the loss log with one stack and one copy.
+
+Nothing the meter keeps grows with the steps: events, the loss log and the host timings are
+allocated before the loop for the planned number of steps, and the held losses are a fixed ring.
+This matters more than it looks: small allocations made between steps that live on (a CUDA
+event, a cloned loss tensor per step) land in the gaps glibc's allocator leaves around each
+freed multi-megabyte batch, so the next batch no longer fits in the hole the last one left; the
+heap grows, is trimmed back to the OS, and every page of every new batch is faulted in again
+(thousands of page faults and milliseconds per step for a 16 MB pageable batch). A plain loop
+does not do that, and the meter must not either.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 STEP_COLUMNS = ("step", "epoch", "samples", "data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
 PREALLOCATE_MAX = 1 << 17  # steps whose events/slots are made up front; longer runs grow in blocks
 _GROW = 4096  # steps added at a time past that (one pause every 4096 steps)
+LOSS_BATCH = 32  # losses held as tensors, then written to the loss log together (divides both above)
 
 
 @dataclass
@@ -81,10 +89,12 @@ class StepMeter:
         self._cap = 0
         self._host = np.zeros((0, 4))  # per step: data_wait_ms, step_ms, start, end (host clock)
         self._meta = np.zeros((0, 2), dtype=np.int64)  # per step: epoch, samples
-        self._loss_blocks: List[torch.Tensor] = []
-        self._loss_slots: List[torch.Tensor] = []
+        self._loss_blocks: List[torch.Tensor] = []  # the loss log: one value per step, on the device
+        self._held: List[Optional[torch.Tensor]] = [None] * LOSS_BATCH  # losses not yet in the log, by step % LOSS_BATCH
+        self._logged = 0  # steps whose loss is in the log
         self.ended = 0  # steps that ran to the end (a step interrupted half-way does not count)
         self._begin = self._end = None
+        self._stream = None  # the compute stream, from the first step on
         if self.cuda:
             self._begin, self._end = _Events(0), _Events(0)
             self._copy_events = _Events(0)
@@ -100,12 +110,11 @@ class StepMeter:
 
     def _reserve(self, n: int) -> None:
         """Room for `n` more steps (before the loop; past PREALLOCATE_MAX, in blocks)."""
+        n = -(-n // LOSS_BATCH) * LOSS_BATCH  # whole loss batches: a batch never spans two blocks
         self._cap += n
         self._host = np.concatenate([self._host, np.zeros((n, 4))])
         self._meta = np.concatenate([self._meta, np.zeros((n, 2), dtype=np.int64)])
-        block = torch.zeros(n, device=self.device)
-        self._loss_blocks.append(block)
-        self._loss_slots += list(block.unbind())  # views made now, so step_end allocates nothing
+        self._loss_blocks.append(torch.zeros(n, device=self.device))
         if self.cuda:
             self._begin.grow(n)
             self._end.grow(n)
@@ -135,24 +144,49 @@ class StepMeter:
         row[0] = (now - self._t_wait) * 1e3
         self._meta[i, 0], self._meta[i, 1] = self.epoch, samples
         if self.cuda:
-            self._begin.pool[i].record()
+            if self._stream is None:  # the stream the steps run on, looked up once: a lookup builds a Stream object
+                self._stream = torch.cuda.current_stream(self.device)
+            self._begin.pool[i].record(self._stream)
         else:
             row[2] = now
 
     def step_end(self, loss: torch.Tensor) -> None:
         i = self.n - 1
         if self.cuda:
-            self._end.pool[i].record()
+            self._end.pool[i].record(self._stream)
         else:
             self._host[i, 3] = time.perf_counter()
-        # A copy into a slot made before the loop: a graphed step reuses its output tensor, and
-        # keeping each step's own loss tensor alive would be a per-step allocation (see above).
-        self._loss_slots[i].copy_(loss.detach())
         self._host[i, 1] = (time.perf_counter() - self._t_wait) * 1e3
+        # Held, not copied: no device work per step (see above). The step owns `loss` (a graphed
+        # step returns a copy of its static output); detached, it keeps no autograd graph alive.
+        k = i % LOSS_BATCH
+        self._held[k] = loss.detach()
         self.ended = self.n
+        if k == LOSS_BATCH - 1:
+            self._log_held()
+
+    def _log_held(self) -> None:
+        """Write the held losses of steps `_logged + 1 .. ended` into the log: one stack, one copy."""
+        lo, hi = self._logged, self.ended
+        if hi <= lo:
+            return
+        held = self._held[lo % LOSS_BATCH:(hi - 1) % LOSS_BATCH + 1]  # never wraps: logged at every batch's end
+        self._log_view(lo, hi).copy_(torch.stack(held))
+        self._logged = hi
+
+    def _log_view(self, start: int, stop: int) -> torch.Tensor:
+        """The loss log of steps `start + 1 .. stop`, inside one block."""
+        lo = 0
+        for b in self._loss_blocks:
+            if start < lo + len(b):
+                return b[start - lo:stop - lo]
+            lo += len(b)
+        raise IndexError(f"steps {start}..{stop} are past the meter's {self._cap}")
 
     def losses(self, start: int, stop: int) -> torch.Tensor:
         """Losses of steps `start + 1 .. stop`, unread (still on the device)."""
+        if stop > self._logged:
+            self._log_held()
         blocks, out, lo = self._loss_blocks, [], 0
         for b in blocks:
             hi = lo + len(b)

@@ -75,7 +75,8 @@ class GraphedStep:
         self.static_x.copy_(x)
         self.static_y.copy_(y)
         self.graph.replay()
-        return self.static_loss
+        # The next replay overwrites `static_loss`: return a copy, so the loss belongs to this step.
+        return self.static_loss.clone()
 
 
 def build_optimizer(cfg, model, capturable: bool = False):
