@@ -194,7 +194,9 @@ def test_the_loss_log_holds_every_step_across_batches_blocks_and_early_reads():
     assert meter.losses(0, 5000).tolist() == [float(v) for v in range(5000)]
     rows = meter.finish().rows
     assert [r["loss"] for r in rows[-3:]] == [4997.0, 4998.0, 4999.0] and len(rows) == 5000
-    assert all(t is None or t.dim() == 0 for t in meter._held) and len(meter._held) == m.LOSS_BATCH  # a fixed ring
+    # On the host every loss is copied at once: a held CPU tensor would keep a small block of the
+    # heap alive across the next batches (hundreds of page faults a step for a pageable batch).
+    assert meter._held == [None] * m.LOSS_BATCH
 
 
 @pytest.mark.parametrize("bad_step", [1, 31, 32, 33, 70, 95])

@@ -157,6 +157,12 @@ class StepMeter:
         else:
             self._host[i, 3] = time.perf_counter()
         self._host[i, 1] = (time.perf_counter() - self._t_wait) * 1e3
+        if not self.cuda:
+            # On the host a copy costs nothing, and a held CPU loss would keep a small aligned block
+            # of the heap alive across the next batches: the hole-splitting described above.
+            self._log_view(i, i + 1).copy_(loss.detach())
+            self.ended = self._logged = self.n
+            return
         # Held, not copied: no device work per step (see above). The step owns `loss` (a graphed
         # step returns a copy of its static output); detached, it keeps no autograd graph alive.
         k = i % LOSS_BATCH
