@@ -36,15 +36,21 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
             start = step
             while step < total:
                 meter.wait_begin()
-                batch = next(batches, None)  # data_wait: the host blocks here until a batch is ready
-                if batch is None:
+                # Exactly what `for x, y in loader` does, for the host allocator's sake: the batch
+                # is unpacked at once (no tuple kept), and the pass's last batch stays referenced
+                # until the next pass's first one is made. Keeping the tuple, or dropping the last
+                # batch early, changes the order in which freed batches meet the heap, and
+                # pageable batches then wander over ten addresses instead of reusing two.
+                try:
+                    x, y = next(batches)  # data_wait: the host blocks here until a batch is ready
+                except StopIteration:
                     break
                 if checksum is not None:
-                    checksum.update(*batch)  # device-side hash, read after the loop
-                meter.step_begin(len(batch[0]))
+                    checksum.update(x, y)  # device-side hash, read after the loop
+                meter.step_begin(len(x))
                 # Keep no reference to the loss past the step: a small tensor alive while the next
                 # batch is allocated splits the hole the last batch left (see trainer.loop.meter).
-                meter.step_end(step_fn(*batch))
+                meter.step_end(step_fn(x, y))
                 step += 1
                 bar.update()  # tqdm redraws at most every `mininterval` seconds
                 watch.after_step(step)
