@@ -225,6 +225,55 @@ def test_loss_watch_passes_finite_losses():
     assert watch.checked == 77 and watch.pending is None
 
 
+def test_the_engine_holds_batches_as_a_plain_for_loop_does():
+    """As `for x, y in loader`: the pair is unpacked at once, and each batch lives until the next
+    one is made, across passes too, and no longer. The host allocator then sees frees in the same
+    order as in a plain loop (with pageable batches, anything else moves where they land)."""
+    import weakref
+    import torch
+    from omegaconf import OmegaConf
+    from trainer.loop.engine import train
+    from trainer.loop.meter import StepMeter
+
+    class Pair:  # a batch that can be referred to weakly, unpacked like a tuple
+        def __init__(self, x, y):
+            self.items = (x, y)
+
+        def __iter__(self):
+            return iter(self.items)
+
+        def __getitem__(self, i):
+            return self.items[i]
+
+    xs, pairs, at_make, at_step = [], [], [], []
+
+    def make():
+        at_make.append([r() is not None for r in xs])  # which earlier batches are still alive
+        x = torch.zeros(4)
+        pair = Pair(x, torch.zeros(4))
+        xs.append(weakref.ref(x))
+        pairs.append(weakref.ref(pair))
+        return pair
+
+    class Loader:
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            for _ in range(3):
+                yield make()  # no local keeps the batch while the pass is suspended
+
+    def step(x, y):
+        at_step.append(sum(r() is not None for r in pairs))
+        return x.sum()
+
+    cfg = OmegaConf.create({"max_steps": 8, "epochs": 1, "warmup_steps": 2, "progress": False, "optimizer": {"lr": 0.1}})
+    assert train(step, Loader(), StepMeter(torch.device("cpu"), 2, capacity=8), cfg) == 8
+    # Batch k is made while batch k-1 (and only it) is alive: at passes' starts (batches 4 and 7) too.
+    assert at_make[0] == [] and at_make[1:] == [[False] * (k - 1) + [True] for k in range(1, 8)]
+    assert at_step == [0] * 8  # the pair was unpacked: nothing holds it during the step
+
+
 def test_warmup_is_excluded_from_summaries(tiny_cfg):
     summary = run(tiny_cfg("engine.warmup_steps=4"))
     assert summary["timed_steps"] == 2 and summary["total_steps"] == 6
