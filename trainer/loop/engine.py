@@ -48,8 +48,8 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
                 if checksum is not None:
                     checksum.update(x, y)  # device-side hash, read after the loop
                 meter.step_begin(len(x))
-                # Keep no reference to the loss past the step: a small tensor alive while the next
-                # batch is allocated splits the hole the last batch left (see trainer.loop.meter).
+                # The loop keeps no reference to the loss past the step; the meter keeps what it
+                # needs without splitting the host heap (see trainer.loop.meter).
                 meter.step_end(step_fn(x, y))
                 step += 1
                 bar.update()  # tqdm redraws at most every `mininterval` seconds
