@@ -79,6 +79,9 @@ def test_per_step_series_and_artifacts(tiny_cfg, tracking_uri, runs):
     assert len(rows) == 12 and [int(x["step"]) for x in rows] == list(range(1, 13))
     assert {int(x["epoch"]) for x in rows} == {0, 1}
     assert all(float(x["step_ms"]) >= float(x["compute_ms"]) > 0 for x in rows)
+    # Each step began (host monotonic clock) no earlier than the previous one ended.
+    clock = [float(x["host_clock_s"]) for x in rows]
+    assert all(b >= a + float(x["step_ms"]) / 1e3 - 1e-6 for a, b, x in zip(clock, clock[1:], rows))
     env = json.loads(Path(client.download_artifacts(r.info.run_id, "environment.json")).read_text())
     assert env["torch"] and env["cpu"] and env["python"]
 
@@ -168,6 +171,30 @@ def test_the_meter_keeps_no_step_tensor_alive():
     assert meter.losses(0, 5).tolist() == [0.0, 2.0, 4.0, 6.0, 8.0]
     result = meter.finish()
     assert [row["step"] for row in result.rows] == [1, 2, 3, 4, 5] and result.summary["timed_steps"] == 4
+
+
+def test_the_meter_times_the_gpu_in_runs_of_steps_from_the_end_of_warm_up():
+    """`engine.gpu_timing_every=N`: CUDA events on every warm-up step, then on one run of
+    TIMING_RUN steps in every N (the first run of the timed region always); the host clock on all."""
+    import torch
+    from trainer.loop.meter import TIMING_RUN, StepMeter
+    meter = StepMeter(torch.device("cpu"), warmup_steps=5, capacity=300, gpu_timing_every=4)
+    timed = [i for i in range(300) if meter.gpu_timed(i)]
+    runs = [range(5 + k * 4 * TIMING_RUN, 5 + k * 4 * TIMING_RUN + TIMING_RUN) for k in range(3)]
+    assert timed == list(range(5)) + [i for r in runs for i in r if i < 300]
+    assert all(StepMeter(torch.device("cpu"), 5, 300, gpu_timing_every=1).gpu_timed(i) for i in range(300))
+    _steps(meter, range(300))  # on the CPU there are no events: every step is timed by the host clock
+    meter.start_timed()
+    assert all(r["compute_ms"] >= 0 and r["h2d_ms"] == 0.0 for r in meter.finish().rows)
+
+
+def test_gpu_summaries_are_taken_over_the_steps_timed_on_the_gpu():
+    import math
+    from trainer.loop.meter import busy_fraction, median_of_timed
+    rows = [{"compute_ms": v} for v in (2.0, math.nan, 4.0, math.nan)]
+    assert median_of_timed(rows, "compute_ms") == 3.0
+    assert busy_fraction(rows, wall_ms=16.0) == pytest.approx(3.0 * 4 / 16.0)  # mean of the timed, for every step
+    assert math.isnan(median_of_timed([{"compute_ms": math.nan}], "compute_ms")) and median_of_timed([], "x") == 0.0
 
 
 def _steps(meter, values, watch=None, mid=None):
@@ -301,8 +328,9 @@ def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):
     """`python -m trainer.overhead ...` (its main, here: it starts the two processes it compares)."""
     from trainer.overhead import main
     table = tmp_path / "overhead.md"
-    main(["--repeats", "1", "--loaders", "pinned", "--markdown", str(table), "engine.device=cpu", "dataset.num_samples=96",
-          "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=12", "engine.warmup_steps=2"])
+    main(["--repeats", "1", "--method", "pairs", "--loaders", "pinned", "--markdown", str(table), "engine.device=cpu",
+          "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=12",
+          "engine.warmup_steps=2"])
     stdout = capsys.readouterr().out
     (words,) = [line.split() for line in stdout.splitlines() if line.strip().startswith("repeat")]
     # "repeat 1: engine E ms/step, plain P ms/step, ratio R"
@@ -310,7 +338,28 @@ def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):
     assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)  # printed rounded
     (row,) = [line for line in table.read_text().splitlines() if line.startswith("| `pinned`")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1] == "no" and float(cells[2]) == pytest.approx(engine, abs=1e-3) and float(cells[3]) == pytest.approx(plain, abs=1e-3)
+    assert cells[1:3] == ["no", "pairs"]
+    assert float(cells[3]) == pytest.approx(engine, abs=1e-3) and float(cells[4]) == pytest.approx(plain, abs=1e-3)
+
+
+def test_overhead_tool_in_turns_counts_each_side_inside_its_own_turns(tmp_path, capsys):
+    """`--method turns` (the default for an eager step): the CLI and the plain loop at once,
+    taking turns from where their timed regions begin; each side timed over its own turns."""
+    from trainer.overhead import main
+    table = tmp_path / "overhead.md"
+    main(["--repeats", "1", "--turn-ms", "20", "--settle-ms", "2", "--markdown", str(table), "model=noop",
+          "engine.device=cpu", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
+          "engine.max_steps=4000", "engine.warmup_steps=10"])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("repeat")]
+    words = line.replace(",", "").replace(";", "").split()
+    # "repeat 1: engine E ms/step, plain P ms/step, ratio R (turns of 20 ms: T counted, steps engine S, plain S; ...)"
+    engine, plain, ratio = float(words[3]), float(words[6]), float(words[9])
+    counted_turns, steps_engine, steps_plain = int(words[14]), int(words[18]), int(words[20])
+    assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)
+    assert counted_turns >= 4 and 0 < steps_engine < 3990 and 0 < steps_plain < 3990  # only steps inside turns
+    (row,) = [r for r in table.read_text().splitlines() if r.startswith("| `baseline`")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:3] == ["no", "turns"] and cells[6] != "–"  # adjacent turns give an interval
 
 
 def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkeypatch):

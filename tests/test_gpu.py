@@ -46,6 +46,28 @@ def test_cuda_path_times_copy_and_compute(strategy, tiny_cfg, runs):
         assert summary["pinned_host_mb"] > 0 and summary["setup_s"] > 0
 
 
+@pytest.mark.parametrize("every", [1, 4])
+def test_cuda_events_time_the_steps_and_copies_of_the_sampled_runs(every, tiny_cfg, runs, tracking_uri):
+    """`engine.gpu_timing_every`: compute and copy times on the warm-up steps and on one run of 32
+    steps in every N after it; nan (and no metric) elsewhere; the summaries from those."""
+    import math
+    from clirun import steps_csv
+    from trainer.loop.meter import StepMeter
+    summary = run(gpu(tiny_cfg, "loader=pinned_chunk", "engine.warmup_steps=4", "engine.max_steps=204",
+                      f"engine.gpu_timing_every={every}"))
+    (r,) = runs()
+    rows = steps_csv(tracking_uri, r.info.run_id)
+    sampled = StepMeter(torch.device("cpu"), 4, 204, gpu_timing_every=every)
+    expect = [sampled.gpu_timed(i) for i in range(204)]
+    assert [not math.isnan(float(x["compute_ms"])) for x in rows] == expect
+    assert [not math.isnan(float(x["h2d_ms"])) for x in rows] == expect  # pinned_chunk copies every batch
+    assert all(float(x["compute_ms"]) > 0 for x, e in zip(rows, expect) if e)
+    history = MlflowClient(tracking_uri).get_metric_history(r.info.run_id, "compute_ms")
+    assert sorted(m.step for m in history) == [i + 1 for i, e in enumerate(expect) if e]
+    assert summary["median_compute_ms"] > 0 and summary["h2d_GBps"] > 0 and 0 < summary["gpu_busy_fraction"]
+    assert 0 <= summary["hidden_h2d_fraction"] <= 1
+
+
 @pytest.mark.parametrize("shuffle", ["false", "true"])
 def test_cuda_strategies_deliver_the_same_samples(shuffle, tiny_cfg, runs):
     for s in SAME_SAMPLES:

@@ -204,6 +204,7 @@ class EngineConfig:
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
+    gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 

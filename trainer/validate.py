@@ -38,6 +38,7 @@ def validate(cfg) -> None:
     at_least("engine.epochs", engine.epochs, 1, "1 (or set engine.max_steps, the run's length in steps)")
     at_least("engine.max_steps", engine.max_steps, 0, "0 (run engine.epochs passes)")
     at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)
+    at_least("engine.gpu_timing_every", engine.gpu_timing_every, 1, 8)
     _validate_loop(engine)
     if engine.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {engine.optimizer.name!r}): "

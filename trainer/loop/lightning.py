@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import statistics
 import sys
 import threading
 import time
@@ -50,7 +49,7 @@ from trainer.lightning import EpochPasses
 from trainer.loaders.stream import tensors
 from trainer.loop.faults import LossWatch
 from trainer.loop.engine import planned_steps
-from trainer.loop.meter import MeterResult, StepMeter, host_usage
+from trainer.loop.meter import MeterResult, StepMeter, busy_fraction, host_usage, median_of_timed
 
 
 class LightningMeter(StepMeter):
@@ -63,8 +62,8 @@ class LightningMeter(StepMeter):
     # after that (Lightning's copy), of the step's own code, of feedbench's bookkeeping
     WAIT, RECEIVED, COPY_S, STEP_S, BOOKS_S = range(5)
 
-    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096):
-        super().__init__(device, warmup_steps, capacity)
+    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096, gpu_timing_every: int = 1):
+        super().__init__(device, warmup_steps, capacity, gpu_timing_every)
         self.marks: List[list] = []  # one per started step
         self._mark: Optional[list] = None  # the current step's, from the start of its wait
         self._timed_at: Optional[float] = None
@@ -128,6 +127,7 @@ class LightningMeter(StepMeter):
             wait, received, copy_s, step_s, books_s = self.marks[i]
             end = starts[i + 1] if i + 1 < len(starts) else loop_end
             row["step_ms"] = (end - wait) * 1e3
+            row["host_clock_s"] = wait
             row["data_wait_ms"] = ((received or wait) - wait + copy_s) * 1e3
             if not self.cuda:
                 row["compute_ms"] = step_s * 1e3
@@ -146,10 +146,10 @@ def _resummarise(timed: List[dict], wall_s: float) -> dict:
     definitions, plus those of `lightning_ms`."""
     wall_ms = max(wall_s * 1e3, 1e-9)
     total = lambda k: sum(r[k] for r in timed)  # noqa: E731
-    med = lambda k: statistics.median(r[k] for r in timed) if timed else 0.0  # noqa: E731
+    med = lambda k: median_of_timed(timed, k)  # noqa: E731
     return {"throughput_samples_per_s": total("samples") / (wall_ms / 1e3),
             "data_wait_fraction": total("data_wait_ms") / wall_ms,
-            "gpu_busy_fraction": total("compute_ms") / wall_ms,
+            "gpu_busy_fraction": busy_fraction(timed, wall_ms),
             "lightning_fraction": total("lightning_ms") / wall_ms,
             "timed_wall_s": wall_s,
             "ms_per_step": wall_ms / max(len(timed), 1),

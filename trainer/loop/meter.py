@@ -8,11 +8,17 @@ Over the timed steps the meter also reads the process's minor page faults and CP
 (`getrusage`), so a loop whose host side thrashes shows it.
 
 What the meter does per step must cost the loop nothing measurable, and in an eager step every
-CUDA call counts: with the GPU busy and hundreds of kernels in flight, each one (an event
-record, a 4-byte copy) takes 20-40 us of the loop thread's time, not the few microseconds it
-takes on an idle device. So the meter makes two event records per step (and the copy probe two
-per copy) and nothing more: the step's loss tensor is kept as it is for up to `LOSS_BATCH` steps
-and the batch of them is written into the loss log with one stack and one copy.
+CUDA call counts: an event record costs the loop's thread about what launching a small kernel
+does (20-40 us on the cloud hosts measured), so two of them are 3-4% of an eager step of 50-odd
+kernels. The meter therefore times the GPU side in samples: runs of `TIMING_RUN` consecutive
+steps, one run in every `gpu_timing_every` (the first run of the timed region always, then every
+Nth), with two events per step and two per copy inside a run and none outside it. A step
+outside the runs has no `compute_ms` (nan in `steps.csv`, not logged as a metric), and a copy
+outside them no `h2d_ms`; the summaries over GPU time (`gpu_busy_fraction`, `median_compute_ms`,
+`h2d_GBps`, `hidden_h2d_fraction`) are taken over the timed runs, so they are estimates from a
+sample of one step in N. Host timings (`data_wait_ms`, `step_ms`, the wall time) are taken at
+every step: they cost a clock read. The step's loss tensor is kept as it is for up to
+`LOSS_BATCH` steps and the batch of them is written into the loss log with one stack and one copy.
 
 Nothing the meter keeps grows with the steps: events, the loss log and the host timings are
 allocated before the loop for the planned number of steps, and the held losses are a fixed ring.
@@ -36,10 +42,15 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 
-STEP_COLUMNS = ("step", "epoch", "samples", "data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
+from trainer.tools.turns import pause_if_asked
+
+# host_clock_s: when the step began (its wait for the batch), on the host's monotonic clock
+# (`time.perf_counter`), which every process on the machine shares: steps of several runs line up.
+STEP_COLUMNS = ("step", "epoch", "samples", "data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss", "host_clock_s")
 PREALLOCATE_MAX = 1 << 17  # steps whose events/slots are made up front; longer runs grow in blocks
 _GROW = 4096  # steps added at a time past that (one pause every 4096 steps)
 LOSS_BATCH = 32  # losses held as tensors, then written to the loss log together (divides both above)
+TIMING_RUN = 32  # consecutive steps timed on the GPU, one run in every `gpu_timing_every`
 
 
 @dataclass
@@ -80,14 +91,19 @@ class StepMeter:
     summaries; `start_timed()` is called once, after them. `capacity` is the number of steps the
     loop plans to take: storage for them is allocated here, before the loop."""
 
-    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096):
+    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096, gpu_timing_every: int = 1):
         self.device, self.warmup_steps = device, warmup_steps
         self.cuda = device.type == "cuda"
+        self.gpu_timing_every = max(1, gpu_timing_every)
+        self._timing = False  # whether the current step is timed on the GPU
+        self._copies_seen = 0
+        self._copy_timing = False
+        self.copy_bytes = 0  # the size of the last copy
         self.epoch = 0
         self.setup_s = 0.0
         self.n = 0  # steps begun
         self._cap = 0
-        self._host = np.zeros((0, 4))  # per step: data_wait_ms, step_ms, start, end (host clock)
+        self._host = np.zeros((0, 5))  # per step: data_wait_ms, step_ms, start, end (host clock), wait began
         self._meta = np.zeros((0, 2), dtype=np.int64)  # per step: epoch, samples
         self._loss_blocks: List[torch.Tensor] = []  # the loss log: one value per step, on the device
         self._held: List[Optional[torch.Tensor]] = [None] * LOSS_BATCH  # losses not yet in the log, by step % LOSS_BATCH
@@ -100,7 +116,8 @@ class StepMeter:
             self._copy_events = _Events(0)
             self._ref = torch.cuda.Event(enable_timing=True)
             self._ref.record()
-        self.copies: List[tuple] = []  # (begin event, end event, bytes), in batch order
+        self.copies: List[tuple] = []  # timed copies: (begin event, end event, bytes), in batch order
+        self._copy_index: List[int] = []  # the batch of each timed copy
         self._reserve(min(max(capacity, 1), PREALLOCATE_MAX))
         self._t_wait = 0.0
         self._t0: Optional[float] = None
@@ -112,7 +129,7 @@ class StepMeter:
         """Room for `n` more steps (before the loop; past PREALLOCATE_MAX, in blocks)."""
         n = -(-n // LOSS_BATCH) * LOSS_BATCH  # whole loss batches: a batch never spans two blocks
         self._cap += n
-        self._host = np.concatenate([self._host, np.zeros((n, 4))])
+        self._host = np.concatenate([self._host, np.zeros((n, 5))])
         self._meta = np.concatenate([self._meta, np.zeros((n, 2), dtype=np.int64)])
         self._loss_blocks.append(torch.zeros(n, device=self.device))
         if self.cuda:
@@ -120,15 +137,27 @@ class StepMeter:
             self._end.grow(n)
             self._copy_events.grow(n + 8)  # copies run up to `depth` batches ahead of the steps
 
+    def gpu_timed(self, i: int) -> bool:
+        """Whether step (or batch) `i`, counted from 0, is in a run timed on the GPU. Runs are
+        counted from the end of the warm-up (warm-up steps are all timed: they cost no timed time)."""
+        k = i - self.warmup_steps
+        return k < 0 or (k // TIMING_RUN) % self.gpu_timing_every == 0
+
     # -- copy probe (called by the loader, on the stream doing the copy) -------------------------
     def copy_begin(self, stream) -> None:
-        self._copy_start = self._copy_events.take()
-        self._copy_start.record(stream)
+        self._copy_timing = self.cuda and self.gpu_timed(self._copies_seen)  # on the CPU nothing is copied
+        if self._copy_timing:
+            self._copy_start = self._copy_events.take()
+            self._copy_start.record(stream)
 
     def copy_end(self, stream, nbytes: int) -> None:
-        end = self._copy_events.take()
-        end.record(stream)
-        self.copies.append((self._copy_start, end, nbytes))
+        if self._copy_timing:
+            end = self._copy_events.take()
+            end.record(stream)
+            self.copies.append((self._copy_start, end, nbytes))
+            self._copy_index.append(self._copies_seen)
+        self._copies_seen += self.cuda
+        self.copy_bytes = nbytes
 
     # -- the loop ----------------------------------------------------------------------------
     def wait_begin(self) -> None:
@@ -142,18 +171,22 @@ class StepMeter:
         self.n += 1
         row = self._host[i]
         row[0] = (now - self._t_wait) * 1e3
+        row[4] = self._t_wait
         self._meta[i, 0], self._meta[i, 1] = self.epoch, samples
         if self.cuda:
-            if self._stream is None:  # the stream the steps run on, looked up once: a lookup builds a Stream object
-                self._stream = torch.cuda.current_stream(self.device)
-            self._begin.pool[i].record(self._stream)
+            self._timing = self.gpu_timed(i)
+            if self._timing:
+                if self._stream is None:  # the stream the steps run on, looked up once: a lookup builds a Stream object
+                    self._stream = torch.cuda.current_stream(self.device)
+                self._begin.pool[i].record(self._stream)
         else:
             row[2] = now
 
     def step_end(self, loss: torch.Tensor) -> None:
         i = self.n - 1
         if self.cuda:
-            self._end.pool[i].record(self._stream)
+            if self._timing:
+                self._end.pool[i].record(self._stream)
         else:
             self._host[i, 3] = time.perf_counter()
         self._host[i, 1] = (time.perf_counter() - self._t_wait) * 1e3
@@ -206,6 +239,7 @@ class StepMeter:
     def start_timed(self) -> None:
         """Start the timed region: one sync so warm-up work does not leak into it."""
         self._sync()
+        pause_if_asked()  # under `trainer.tools.turns`: wait here, stopped, for the process it is compared with
         self._t0 = time.perf_counter()
         self._timed_from = self.n
         self._usage0 = host_usage()
@@ -224,26 +258,29 @@ class StepMeter:
         n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
         losses = self.losses(0, n).float().cpu().tolist() if n else []
         rows, spans = [], []
+        copies = dict(zip(self._copy_index, self.copies))
         for i in range(n):
-            wait_ms, step_ms, start, end = self._host[i].tolist()
-            h2d_ms, nbytes = 0.0, 0
-            if i < len(self.copies):
-                c0, c1, nbytes = self.copies[i]
+            wait_ms, step_ms, start, end, clock = self._host[i].tolist()
+            h2d_ms, nbytes = (math.nan if i < self._copies_seen else 0.0), 0  # nan: copied, not timed
+            if i in copies:
+                c0, c1, nbytes = copies[i]
                 h2d_ms = c0.elapsed_time(c1)
-                spans.append((self._ref.elapsed_time(c0), self._ref.elapsed_time(c1)))
-            if self.cuda:
+                spans.append((i, self._ref.elapsed_time(c0), self._ref.elapsed_time(c1)))
+            if not self.cuda:
+                compute_ms, busy = (end - start) * 1e3, (start, end)
+            elif self.gpu_timed(i):
                 b, e = self._begin.pool[i], self._end.pool[i]
                 compute_ms, busy = b.elapsed_time(e), (self._ref.elapsed_time(b), self._ref.elapsed_time(e))
             else:
-                compute_ms, busy = (end - start) * 1e3, (start, end)
+                compute_ms, busy = math.nan, None
             rows.append({"step": i + 1, "epoch": int(self._meta[i, 0]), "samples": int(self._meta[i, 1]),
                          "data_wait_ms": wait_ms, "h2d_ms": h2d_ms, "compute_ms": compute_ms, "step_ms": step_ms,
-                         "loss": losses[i], "_bytes": nbytes, "_busy": busy})
+                         "loss": losses[i], "host_clock_s": clock, "_bytes": nbytes, "_busy": busy})
         if self._t0 is None:  # warm-up covered every step: nothing was timed
             return MeterResult(rows=rows, summary=self._untimed(rows))
         timed = rows[self._timed_from:]
         faults, cpu_s = usage1[0] - self._usage0[0], usage1[1] - self._usage0[1]
-        summary = self._summarise(timed, t1 - self._t0, spans[self._timed_from:], faults, cpu_s)
+        summary = self._summarise(timed, t1 - self._t0, [sp for sp in spans if sp[0] >= self._timed_from], faults, cpu_s)
         # When, by the clock, the timed region ran: a comparison marks jobs timed at once on one device.
         summary.update(timed_start_unix_s=t1_unix - (t1 - self._t0), timed_end_unix_s=t1_unix)
         return MeterResult(rows=rows, summary=summary)
@@ -255,14 +292,14 @@ class StepMeter:
     def _summarise(self, timed: List[dict], wall_s: float, spans, faults: int, cpu_s: float) -> Dict[str, float]:
         wall_ms = max(wall_s * 1e3, 1e-9)
         samples = sum(r["samples"] for r in timed)
-        h2d_ms = sum(r["h2d_ms"] for r in timed)
+        h2d_ms = sum(r["h2d_ms"] for r in timed if not math.isnan(r["h2d_ms"]))
         nbytes = sum(r["_bytes"] for r in timed)
         steps = max(len(timed), 1)
-        med = lambda k: statistics.median(r[k] for r in timed) if timed else 0.0  # noqa: E731
+        med = lambda k: median_of_timed(timed, k)  # noqa: E731
         return {
             "throughput_samples_per_s": samples / (wall_ms / 1e3),
             "data_wait_fraction": sum(r["data_wait_ms"] for r in timed) / wall_ms,
-            "gpu_busy_fraction": sum(r["compute_ms"] for r in timed) / wall_ms,
+            "gpu_busy_fraction": busy_fraction(timed, wall_ms),
             "h2d_GBps": nbytes / (h2d_ms * 1e6) if h2d_ms > 0 else 0.0,
             "hidden_h2d_fraction": _overlap(timed, spans) if self.cuda else 0.0,
             "host_page_faults_per_step": faults / steps,
@@ -281,11 +318,37 @@ class StepMeter:
         }
 
 
+def median_of_timed(rows: List[dict], key: str) -> float:
+    """The median of `key` over the rows that have it (GPU times: the steps timed on the GPU)."""
+    values = [r[key] for r in rows if not math.isnan(r[key])]
+    return statistics.median(values) if values else (math.nan if rows else 0.0)
+
+
+def busy_fraction(rows: List[dict], wall_ms: float) -> float:
+    """Share of the wall time the GPU spent in steps: the mean `compute_ms` of the steps timed on
+    the GPU, for every step (all of them, when every step was timed)."""
+    values = [r["compute_ms"] for r in rows if not math.isnan(r["compute_ms"])]
+    return statistics.fmean(values) * len(rows) / wall_ms if values else (math.nan if rows else 0.0)
+
+
 def _overlap(timed: List[dict], spans) -> float:
-    """Share of copy time during which the compute stream was busy (from event timestamps)."""
+    """Share of copy time during which the compute stream was busy (from event timestamps), over
+    the copies made while timed steps ran: inside a run of steps timed on the GPU, from the first
+    step's start to the last one's end (copies outside a run ran beside steps nobody timed)."""
+    runs: List[list] = []  # [first start, last end] of each run of consecutive GPU-timed steps
+    last = None
+    for r in timed:
+        if r["_busy"] is None:
+            continue
+        if last is not None and r["step"] == last + 1:
+            runs[-1][1] = r["_busy"][1]
+        else:
+            runs.append([r["_busy"][0], r["_busy"][1]])
+        last = r["step"]
+    spans = [(a, b) for _, a, b in spans if any(lo <= a and b <= hi for lo, hi in runs)]
     if not spans:
         return 0.0
-    busy = sorted(r["_busy"] for r in timed)
+    busy = sorted(r["_busy"] for r in timed if r["_busy"] is not None)
     total = hidden = 0.0
     j = 0
     for a, b in sorted(spans):

@@ -79,8 +79,8 @@ def run(cfg) -> dict:
         lightning = cfg.engine.loop == "lightning"
         if lightning:  # Lightning is an optional extra: imported only when asked for
             from trainer.loop import lightning as lightning_loop
-        meter = (lightning_loop.LightningMeter if lightning else StepMeter)(device, cfg.engine.warmup_steps,
-                                                                           capacity=planned)
+        meter = (lightning_loop.LightningMeter if lightning else StepMeter)(
+            device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every)
         meter.setup_s = loader.setup_s
         loader.copy_probe = meter
         checksum = Checksum(device) if cfg.engine.verify else None
@@ -105,7 +105,7 @@ def run(cfg) -> dict:
             verified = checksum.result() if checksum is not None else None
             try:
                 if completed:  # after a failure: save, don't probe, and no collective with the other ranks
-                    summary.update(ranks.ceilings(lambda: ceilings(meter, device), meter.copies[0][2] if meter.copies else 0))
+                    summary.update(ranks.ceilings(lambda: ceilings(meter, device), meter.copy_bytes))
                     summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
             finally:
                 tracker.log_summary(summary)
@@ -145,9 +145,9 @@ def peak_gpu_mb(device: torch.device, base: int) -> float:
 def ceilings(meter: StepMeter, device: torch.device) -> dict:
     """After the loop: this machine's pinned and pageable copy bandwidth for the run's batch size,
     so `h2d_GBps` can be read against what the link can do."""
-    if device.type != "cuda" or not meter.copies:
+    if device.type != "cuda" or not meter.copy_bytes:
         return {}
-    nbytes = meter.copies[0][2]
+    nbytes = meter.copy_bytes
     return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
             "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}
 

@@ -1,22 +1,36 @@
 """What the engine costs: `python -m trainer` against a plain loop over the same loader.
 
     python -m trainer.overhead [--repeats 3] [--loaders baseline,prefetch] [--graph eager|graphed|both]
-                               [--markdown FILE] [hydra overrides...]
+                               [--method auto|pairs|turns] [--turn-ms 100] [--markdown FILE]
+                               [hydra overrides...]
 
-For every strategy (and eager and/or CUDA-graphed step) it runs, alternately and `--repeats`
-times each, two fresh processes on the same composed config:
+For every strategy (and eager and/or CUDA-graphed step) it compares, `--repeats` times, two fresh
+processes on the same composed config:
 
 - the CLI path, exactly as a user runs it: `python -m trainer <overrides>` (recorded in a
-  throw-away MLflow store), read back as its `ms_per_step` over the timed steps;
+  throw-away MLflow store);
 - `python -m trainer.tools.plain_loop <overrides>`: `for x, y in loader: step(x, y)` in a plain
   script, timed over the same steps the same way (a device sync at both ends of the timed region).
 
-It prints each pair's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per
-variant, the medians and a 95% interval of the ratio (whether the pairs tell it apart from 1),
-with the host's minor page faults and CPU time per step on each side. The pairs alternate which
-side runs first (engine, plain; plain, engine; ...), so drift in the machine's speed hits both
-alike. Any override works (`model=noop`, `engine.device=cpu`, `experiment=bench_seed0` for seed
-000's workload).
+Two ways to run them (`--method`):
+
+- `pairs`: one process after the other, the side that goes first alternating from pair to pair
+  (engine, plain; plain, engine; ...); each side's ms/step over its timed steps. Right for a
+  GPU-bound step (a CUDA graph), whose speed does not depend on the host's.
+- `turns`: both at once, taking turns of `--turn-ms` from where their timed regions begin
+  (`trainer.tools.turns`), each side's ms/step over the steps that ran inside its own turns.
+  A host-bound step (eager, or fed by a DataLoader) runs as fast as the host's thread, and on a
+  shared cloud host that speed swings by up to 2× from one second to the next: in pairs of
+  processes a minute apart that is up to 25% of noise per pair, in turns a tenth of a second
+  apart both sides draw from the same seconds. Not for a GPU-bound step: the GPU work one side
+  leaves queued at a switch can outlast the other's turn.
+- `auto` (the default): `turns` for an eager step, `pairs` for a CUDA-graphed one.
+
+It prints each repeat's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per
+variant, the medians and a 95% interval of the ratio (whether the measurements tell it apart
+from 1: over the pairs' ratios, or over adjacent turns' ratios), with the host's minor page
+faults and CPU time per step on each side. Any override works (`model=noop`,
+`engine.device=cpu`, `experiment=bench_seed0` for seed 000's workload).
 """
 
 from __future__ import annotations
@@ -36,8 +50,10 @@ from typing import Dict, List, Sequence
 from hydra import compose, initialize_config_dir
 
 from trainer.config import CONF_DIR
+from trainer.tools import turns as turns_
 
 GRAPH = {"eager": ["false"], "graphed": ["true"], "both": ["false", "true"]}
+METHODS = ("auto", "pairs", "turns")
 QUICK = ["engine.progress=false"]
 
 
@@ -63,21 +79,69 @@ def _run(cmd: List[str], cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def engine_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
-    """One `python -m trainer` run; its summary read back from MLflow."""
+def _engine_cmd(overrides: List[str], tmp: Path) -> List[str]:
+    return [sys.executable, "-m", "trainer", *overrides, f"tracking.uri=sqlite:///{tmp / 'overhead.db'}",
+            "tracking.experiment=overhead", f"hydra.run.dir={tmp / 'hydra'}"]
+
+
+def _latest_run(tmp: Path):
     from mlflow.tracking import MlflowClient  # here: the plain loop composes its config through this module
-    uri = f"sqlite:///{tmp / 'overhead.db'}"
-    _run([sys.executable, "-m", "trainer", *overrides, f"tracking.uri={uri}", "tracking.experiment=overhead",
-          f"hydra.run.dir={tmp / 'hydra'}"], tmp)
-    client = MlflowClient(uri)
+    client = MlflowClient(f"sqlite:///{tmp / 'overhead.db'}")
     exp = client.get_experiment_by_name("overhead")
     (latest,) = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"], max_results=1)
-    return latest.data.metrics
+    return client, latest
+
+
+def engine_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
+    """One `python -m trainer` run; its summary read back from MLflow."""
+    _run(_engine_cmd(overrides, tmp), tmp)
+    return _latest_run(tmp)[1].data.metrics
 
 
 def plain_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
     proc = _run([sys.executable, "-m", "trainer.tools.plain_loop", *overrides], tmp)
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def turns_run(overrides: List[str], tmp: Path, first: str, turn_s: float, settle_s: float) -> Dict[str, float]:
+    """`python -m trainer` and the plain loop at once, taking turns (`trainer.tools.turns`);
+    `first`: the side whose turn comes first. Both sides' figures over the steps of their turns."""
+    import numpy as np
+    clock = tmp / "plain_clock.npy"
+    cmds = {"engine": _engine_cmd(overrides, tmp),
+            "plain": [sys.executable, "-m", "trainer.tools.plain_loop", *overrides, "--clock", str(clock)]}
+    order = [first, "plain" if first == "engine" else "engine"]
+    logs = [tmp / f"{side}.log" for side in order]
+    try:
+        turns = turns_.take_turns([cmds[side] for side in order], logs, tmp, turn_s)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    client, run = _latest_run(tmp)
+    engine = dict(run.data.metrics)
+    steps = _steps_csv(client, run.info.run_id, tmp)
+    timed = steps[len(steps) - int(engine.get("timed_steps", 0)):]
+    plain = json.loads(logs[order.index("plain")].read_text().strip().splitlines()[-1])
+    starts = {"engine": np.array([float(r["host_clock_s"]) for r in timed]), "plain": np.load(clock)}
+    rates = turns_.turn_rates([starts[side] for side in order], turns, settle_s)
+    ms = dict(zip(order, rates["ms_per_step"]))
+    counted = dict(zip(order, rates["steps"]))
+    if not all(counted.values()):
+        raise SystemExit("error: no step ran inside a turn: raise engine.max_steps (each side needs several "
+                         f"turns of {turn_s * 1e3:.0f} ms of timed steps) or lower --turn-ms")
+    # turn_rates gives the second side over the first, turn by turn: as engine ÷ plain
+    pair_ratios = [r if order[1] == "engine" else 1 / r for r in rates["pair_ratios"]]
+    engine["ms_per_step"] = ms["engine"]  # its own figure counts the time it spent stopped
+    plain["plain_ms_per_step"] = ms["plain"]
+    return {"engine": engine, "plain": plain, "pair_ratios": pair_ratios, "counted": counted,
+            "turns": rates["turns"]}
+
+
+def _steps_csv(client, run_id: str, tmp: Path) -> List[dict]:
+    import csv
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    with tempfile.TemporaryDirectory(dir=tmp) as where:
+        with open(client.download_artifacts(run_id, "steps.csv", where), newline="") as f:
+            return list(csv.DictReader(f))
 
 
 def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[str, float]:
@@ -97,10 +161,34 @@ def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[st
         e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
         log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f} "
             f"(processes: engine {seconds['engine']:.0f} s, plain {seconds['plain']:.0f} s)")
-    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
-    low, high = ratio_interval(ratios)
-    return {"engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),
+    return _summary("pairs", engine, plain, ratios)
+
+
+def measure_turns(overrides: List[str], repeats: int, tmp: Path, turn_s: float = 0.1, settle_s: float = 0.02,
+                  log=print) -> Dict[str, float]:
+    """`repeats` runs of the engine and the plain loop taking turns; the interval is over the
+    ratios of adjacent turns, from every repeat."""
+    engine, plain, pairs = [], [], []
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        got = turns_run(overrides, tmp, "engine" if r % 2 == 0 else "plain", turn_s, settle_s)
+        engine.append(got["engine"])
+        plain.append(got["plain"])
+        pairs += got["pair_ratios"]
+        e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
+        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f} "
+            f"(turns of {turn_s * 1e3:.0f} ms: {got['turns']} counted, steps engine {got['counted']['engine']}, "
+            f"plain {got['counted']['plain']}; {time.perf_counter() - t0:.0f} s)")
+    ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
+    return _summary("turns", engine, plain, ratios, pairs)
+
+
+def _summary(method: str, engine: List[dict], plain: List[dict], ratios: List[float],
+             interval_from: Sequence[float] = ()) -> Dict[str, float]:
+    med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
+    low, high = ratio_interval(list(interval_from) or ratios)
+    return {"method": method, "engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "ratio_ci_low": low, "ratio_ci_high": high,
             "engine_spread": max(x["ms_per_step"] for x in engine) / min(x["ms_per_step"] for x in engine),
@@ -129,10 +217,11 @@ def ratio_interval(ratios: Sequence[float]) -> tuple:
 
 
 def table(rows: List[dict]) -> str:
-    head = ("| loader | CUDA graph | engine ms/step | plain loop ms/step | engine ÷ plain (min–max) | 95% interval "
+    head = ("| loader | CUDA graph | method | engine ms/step | plain loop ms/step | engine ÷ plain (min–max) | 95% interval "
             "| engine max/min | page faults/step engine / plain | host CPU ms/step engine / plain |\n"
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [f"| `{r['loader']}` | {'yes' if r['graph'] == 'true' else 'no'} | {r['engine_ms']:.3f} | {r['plain_ms']:.3f} "
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [f"| `{r['loader']}` | {'yes' if r['graph'] == 'true' else 'no'} | {r['method']} "
+             f"| {r['engine_ms']:.3f} | {r['plain_ms']:.3f} "
              f"| {r['ratio']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {_interval(r)} | {r['engine_spread']:.2f} "
              f"| {r['engine_faults']:.0f} / {r['plain_faults']:.0f} | {r['engine_cpu_ms']:.2f} / {r['plain_cpu_ms']:.2f} |"
              for r in rows]
@@ -146,7 +235,12 @@ def _interval(row: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=3, help="engine/plain pairs per variant")
+    p.add_argument("--repeats", type=int, default=3, help="engine/plain pairs (or turn-taking runs) per variant")
+    p.add_argument("--method", choices=METHODS, default="auto",
+                   help="pairs: one process after the other; turns: both at once, taking turns; auto: turns when eager")
+    p.add_argument("--turn-ms", type=float, default=100.0, help="length of a turn (--method turns)")
+    p.add_argument("--settle-ms", type=float, default=20.0,
+                   help="steps this soon after a turn begins are not counted (--method turns)")
     p.add_argument("--loaders", default="", help="comma-separated strategies (default: the composed one)")
     p.add_argument("--graph", choices=sorted(GRAPH), default="eager", help="time the eager step, the graphed one, or both")
     p.add_argument("--markdown", help="also write the table to this file")
@@ -154,6 +248,9 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.repeats < 1:
         raise SystemExit(f"error: --repeats must be >= 1 (got {args.repeats}): use --repeats 3")
+    if not 0 <= args.settle_ms < args.turn_ms:
+        raise SystemExit(f"error: --settle-ms must be >= 0 and below --turn-ms (got {args.settle_ms:g} and "
+                         f"{args.turn_ms:g}): use --turn-ms 100 --settle-ms 20")
     base = QUICK + args.overrides
     cfg = compose_config(base)  # fail here, once, on a bad override
     loaders = [s for s in args.loaders.split(",") if s] or [cfg.loader.name]
@@ -163,7 +260,11 @@ def main(argv=None) -> None:
             for graph in GRAPH[args.graph]:
                 overrides = [*base, f"loader={loader}", f"engine.cuda_graph={graph}"]
                 print(f"loader={loader} engine.cuda_graph={graph}", flush=True)
-                rows.append({"loader": loader, "graph": graph, **measure(overrides, args.repeats, Path(tmp))})
+                if args.method == "turns" or (args.method == "auto" and graph == "false"):
+                    got = measure_turns(overrides, args.repeats, Path(tmp), args.turn_ms / 1e3, args.settle_ms / 1e3)
+                else:
+                    got = measure(overrides, args.repeats, Path(tmp))
+                rows.append({"loader": loader, "graph": graph, **got})
     print(table(rows))
     if args.markdown:
         Path(args.markdown).write_text(table(rows) + "\n")

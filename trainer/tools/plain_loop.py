@@ -8,7 +8,8 @@ step as `python -m trainer` would for the same overrides, then runs
     for x, y in loader:
         step(x, y)
 
-with nothing else in the loop: no meter, no events, no loss kept, no MLflow. It takes the same
+with nothing else in the loop (a host timestamp per step, kept in an array made beforehand): no
+meter, no events, no loss kept, no MLflow. It takes the same
 number of steps (`engine.max_steps`, or `engine.epochs` passes), syncs the device after the
 first `engine.warmup_steps` and at the end, and prints one JSON line: the wall time per timed
 step and the process's minor page faults and CPU time per timed step over the same region.
@@ -26,6 +27,9 @@ import sys
 import tempfile
 import time
 
+from typing import Optional
+
+import numpy as np
 import torch
 from omegaconf import OmegaConf
 
@@ -37,6 +41,7 @@ from trainer.loop.engine import planned_steps
 from trainer.loop.meter import host_usage  # the engine's own count of faults and CPU time
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.tools.heap import keep_freed
+from trainer.tools.turns import pause_if_asked
 
 
 def _sync(device) -> None:
@@ -44,8 +49,9 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(cfg) -> dict:
-    """Run the plain loop for `cfg` (a composed config) and return its figures."""
+def measure(cfg, clock_file: Optional[str] = None) -> dict:
+    """Run the plain loop for `cfg` (a composed config) and return its figures; `clock_file`: also
+    save when each timed step began and ended (`.npy`, host monotonic clock: one more entry than steps)."""
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if cfg.engine.get("steady_heap", True):
@@ -58,14 +64,18 @@ def measure(cfg) -> dict:
     step = make_step(model, build_optimizer(cfg.engine.optimizer, model, capturable=graphed), graphed)
     total, warmup = planned_steps(cfg.engine, loader), cfg.engine.warmup_steps  # the engine's own length
     done, t0, usage0 = 0, None, None
+    clock = np.zeros(total + 1)  # clock[k]: when step k ended (host monotonic clock), for `trainer.tools.turns`
     with loader:
         while done < total:
             for x, y in loader:
                 step(x, y)
                 done += 1
+                clock[done] = time.perf_counter()
                 if done == warmup:
                     _sync(device)
+                    pause_if_asked()  # under `trainer.tools.turns`: wait here for the process it is compared with
                     t0, usage0 = time.perf_counter(), host_usage()
+                    clock[done] = t0
                 if done == total:
                     break
     _sync(device)
@@ -73,6 +83,8 @@ def measure(cfg) -> dict:
     timed = done - warmup
     if t0 is None or timed <= 0:
         return {"plain_timed_steps": 0}
+    if clock_file:
+        np.save(clock_file, clock[warmup:done + 1])  # the timed steps' bounds
     return {"plain_ms_per_step": (t1 - t0) * 1e3 / timed,
             "plain_host_page_faults_per_step": (usage1[0] - usage0[0]) / timed,
             "plain_host_cpu_ms_per_step": (usage1[1] - usage0[1]) * 1e3 / timed,
@@ -117,6 +129,7 @@ def annotate(client, runs, log=print) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", help="a composed config (YAML), instead of overrides")
+    p.add_argument("--clock", help="save the timed steps' bounds on the host clock to this .npy file")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m trainer")
     args = p.parse_args()
     if args.config:
@@ -125,7 +138,7 @@ def main() -> None:
         from trainer.tools.overhead import compose_config
         cfg = compose_config(args.overrides)
     try:
-        figures = measure(cfg)
+        figures = measure(cfg, args.clock)
     except (ConfigError, RunFailed) as e:  # what `python -m trainer` reports in one line, this does too
         raise SystemExit(f"error: {e}") from None
     print(json.dumps(figures), flush=True)

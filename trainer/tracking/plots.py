@@ -34,7 +34,14 @@ def _binned(rows: Sequence[dict]) -> tuple:
     groups = [rows[i:i + size] for i in range(0, len(rows), size)]
     edges = [int(g[0]["step"]) - 0.5 for g in groups] + [int(groups[-1][-1]["step"]) + 0.5]
     keys = [k for k, _ in PARTS if k in rows[0]] + ["step_ms", "samples"]
-    return edges, [{k: sum(float(r[k]) for r in g) / len(g) for k in keys} for g in groups], size
+    return edges, [{k: _mean(float(r[k]) for r in g) for k in keys} for g in groups], size
+
+
+def _mean(values) -> float:
+    """Mean of the values that were measured (a step outside the GPU-timed runs has no GPU times:
+    it is drawn with none)."""
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else 0.0
 
 
 def timeline(rows: Sequence[dict], path: Path, warmup_steps: int = 0, title: str = "") -> Path:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import math
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -140,7 +141,9 @@ class Tracker:
         """Per-step series (`log_batch`, step = global step), `steps.csv` and `timeline.png`.
         A column a loop adds to the rows (Lightning's `lightning_ms`) is logged too."""
         extra = tuple(k for k in (rows[0] if rows else {}) if k not in STEP_COLUMNS and not k.startswith("_"))
-        metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS + extra]
+        # A GPU time of a step outside the meter's timed runs is nan: not logged (see trainer.loop.meter).
+        metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS + extra
+                   if not math.isnan(float(r[k]))]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
         self.log_rows(rows, "steps.csv")
