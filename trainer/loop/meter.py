@@ -116,8 +116,7 @@ class StepMeter:
             self._copy_events = _Events(0)
             self._ref = torch.cuda.Event(enable_timing=True)
             self._ref.record()
-        self.copies: List[tuple] = []  # timed copies: (begin event, end event, bytes), in batch order
-        self._copy_index: List[int] = []  # the batch of each timed copy
+        self.copies: List[tuple] = []  # timed copies: (batch, begin event, end event, bytes), in batch order
         self._reserve(min(max(capacity, 1), PREALLOCATE_MAX))
         self._t_wait = 0.0
         self._t0: Optional[float] = None
@@ -144,8 +143,9 @@ class StepMeter:
         return k < 0 or (k // TIMING_RUN) % self.gpu_timing_every == 0
 
     # -- copy probe (called by the loader, on the stream doing the copy) -------------------------
+    # Called only for a copy on a CUDA stream (trainer.loaders.base, the Lightning loop).
     def copy_begin(self, stream) -> None:
-        self._copy_timing = self.cuda and self.gpu_timed(self._copies_seen)  # on the CPU nothing is copied
+        self._copy_timing = self.gpu_timed(self._copies_seen)
         if self._copy_timing:
             self._copy_start = self._copy_events.take()
             self._copy_start.record(stream)
@@ -154,9 +154,8 @@ class StepMeter:
         if self._copy_timing:
             end = self._copy_events.take()
             end.record(stream)
-            self.copies.append((self._copy_start, end, nbytes))
-            self._copy_index.append(self._copies_seen)
-        self._copies_seen += self.cuda
+            self.copies.append((self._copies_seen, self._copy_start, end, nbytes))
+        self._copies_seen += 1
         self.copy_bytes = nbytes
 
     # -- the loop ----------------------------------------------------------------------------
@@ -258,7 +257,7 @@ class StepMeter:
         n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
         losses = self.losses(0, n).float().cpu().tolist() if n else []
         rows, spans = [], []
-        copies = dict(zip(self._copy_index, self.copies))
+        copies = {c[0]: c[1:] for c in self.copies}
         for i in range(n):
             wait_ms, step_ms, start, end, clock = self._host[i].tolist()
             h2d_ms, nbytes = (math.nan if i < self._copies_seen else 0.0), 0  # nan: copied, not timed
