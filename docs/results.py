@@ -330,6 +330,23 @@ def copy_images(sweeps: Dict[str, Sweep], folder: Path) -> List[Path]:
     return written
 
 
+def keep_other_presets(text: str, environment: str) -> str:
+    """The environment table for a page updated from a store that holds only some presets' sweeps:
+    the new rows, plus the page's rows of every preset the store had no sweep of, in preset order."""
+    found = re.search(r"<!-- results:environment -->\n(.*?)\n<!-- /results:environment -->", text, re.S)
+    preset = lambda row: row.split("|")[1].strip()  # noqa: E731  ("`limits`")
+    rows = {preset(r): r for r in (found.group(1).splitlines() if found else []) if r.startswith("| `")}
+    head, new = [], {}
+    for row in environment.splitlines():
+        if row.startswith("| `"):
+            new[preset(row)] = row
+        else:
+            head.append(row)
+    rows.update(new)
+    order = {f"`{name}`": i for i, name in enumerate(PRESETS)}
+    return "\n".join(head + sorted(rows.values(), key=lambda r: order.get(preset(r), len(order))))
+
+
 def update_page(text: str, tables: Dict[str, str]) -> str:
     """Replace what stands between `<!-- results:NAME -->` and `<!-- /results:NAME -->` with table NAME."""
     for name, body in tables.items():
@@ -364,7 +381,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, body in tables.items():
         print(f"## {name}\n\n{body}\n")
     if args.update:
-        args.update.write_text(update_page(args.update.read_text(), tables))
+        page = args.update.read_text()
+        if "environment" in tables:  # presets not in this store keep the page's row (and their own tables)
+            tables["environment"] = keep_other_presets(page, tables["environment"])
+        args.update.write_text(update_page(page, tables))
     if args.images:
         for path in copy_images(sweeps, args.images):
             print(f"wrote {path}")

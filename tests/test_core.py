@@ -194,6 +194,7 @@ def test_gpu_summaries_are_taken_over_the_steps_timed_on_the_gpu():
     rows = [{"compute_ms": v} for v in (2.0, math.nan, 4.0, math.nan)]
     assert median_of_timed(rows, "compute_ms") == 3.0
     assert busy_fraction(rows, wall_ms=16.0) == pytest.approx(3.0 * 4 / 16.0)  # mean of the timed, for every step
+    assert busy_fraction(rows, wall_ms=11.0) == 1.0  # a sample above the wall time: a stream is never busier than always
     assert math.isnan(median_of_timed([{"compute_ms": math.nan}], "compute_ms")) and median_of_timed([], "x") == 0.0
 
 

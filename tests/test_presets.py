@@ -340,3 +340,14 @@ def test_results_page_has_a_block_for_every_table_and_update_fills_only_those():
     assert results.update_page(filled, {"limits": "| again |"}).count("| again |") == 1
     with pytest.raises(ConfigError, match=r"no '<!-- results:seed009 -->'"):
         results.update_page(page, {"seed009": "| x |"})
+
+
+def test_results_update_from_some_presets_keeps_the_others_environment_rows():
+    """`bash docs/run_results.sh seed003` refills seed003's table and row; the other presets keep theirs."""
+    results = _results_module()
+    head = "| preset | date |\n|---|---|"
+    page = ("x\n<!-- results:environment -->\n" + head + "\n| `limits` | old |\n| `seed003` | old |\n| `seed004` | old |\n"
+            "<!-- /results:environment -->\ny\n")
+    merged = results.keep_other_presets(page, head + "\n| `seed002` | new |\n| `seed003` | new |")
+    assert merged.splitlines() == ["| preset | date |", "|---|---|", "| `limits` | old |", "| `seed002` | new |",
+                                   "| `seed003` | new |", "| `seed004` | old |"]  # in the presets' order

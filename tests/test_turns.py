@@ -93,3 +93,34 @@ def test_turn_rates_stop_counting_when_the_first_process_ends():
     assert out["steps"] == [20, 10] and out["ms_per_step"] == pytest.approx([U * 1e3, U * 1e3])
     one_start = turn_rates([starts[0], np.array([50 * U])], turns)  # no whole step: none counted
     assert one_start["steps"] == [0, 0] and math.isnan(one_start["ms_per_step"][1])
+
+
+def test_versus_compares_two_configurations_in_turns(tmp_path, capsys):
+    """`python -m trainer.versus --a ... --b ...`: two CLI runs at once, taking turns; each side's
+    ms/step over its own turns, and the ratio a ÷ b."""
+    from trainer.versus import main
+    table = tmp_path / "versus.md"
+    main(["--a", "loader=pinned_gather", "--a", "loader.threads=2", "--b", "loader=pinned_chunk", "--repeats", "1",
+          "--turn-ms", "20", "--settle-ms", "2", "--markdown", str(table), "model=noop", "engine.device=cpu",
+          "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=3000",
+          "engine.warmup_steps=10"])
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("repeat")]
+    words = line.replace(",", "").replace(";", "").split()
+    # "repeat 1: a A ms/step b B ms/step ratio R (turns of 20 ms: T counted steps a S b S ...)"
+    a, b, ratio = float(words[3]), float(words[6]), float(words[9])
+    counted_turns, steps_a, steps_b = int(words[14]), int(words[18]), int(words[20])
+    assert a > 0 and b > 0 and ratio == pytest.approx(a / b, rel=0.05)  # printed rounded to 0.001 ms
+    assert counted_turns >= 4 and 0 < steps_a < 2990 and 0 < steps_b < 2990  # only steps inside turns
+    (row,) = [r for r in table.read_text().splitlines() if r.startswith("| `loader=pinned_gather`")]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1:4] == ["`loader=pinned_chunk`", "no", "turns"]
+    assert float(cells[4]) == pytest.approx(a, abs=1e-3) and float(cells[5]) == pytest.approx(b, abs=1e-3)
+    assert cells[7] != "–"  # adjacent turns give an interval
+
+
+def test_versus_needs_something_to_compare_and_a_valid_override():
+    from trainer.versus import main
+    with pytest.raises(SystemExit, match="--a loader=pinned_gather --b loader=pinned_chunk"):
+        main(["model=noop"])
+    with pytest.raises(SystemExit, match="loader.depthh"):
+        main(["--a", "loader=pinned_gather", "--b", "loader.depthh=2", "engine.device=cpu"])

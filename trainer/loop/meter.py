@@ -327,7 +327,11 @@ def busy_fraction(rows: List[dict], wall_ms: float) -> float:
     """Share of the wall time the GPU spent in steps: the mean `compute_ms` of the steps timed on
     the GPU, for every step (all of them, when every step was timed)."""
     values = [r["compute_ms"] for r in rows if not math.isnan(r["compute_ms"])]
-    return statistics.fmean(values) * len(rows) / wall_ms if values else (math.nan if rows else 0.0)
+    if not values:
+        return math.nan if rows else 0.0
+    # Steps on one stream never overlap, so the share is at most 1; a sample of the steps can
+    # still put it a little above (a GPU-bound loop whose sampled runs were slower than the rest).
+    return min(1.0, statistics.fmean(values) * len(rows) / wall_ms)
 
 
 def _overlap(timed: List[dict], spans) -> float:
