@@ -356,7 +356,7 @@ def test_overhead_tool_in_turns_counts_each_side_inside_its_own_turns(tmp_path, 
     # "repeat 1: engine E ms/step, plain P ms/step, ratio R (turns of 20 ms: T counted, steps engine S, plain S; ...)"
     engine, plain, ratio = float(words[3]), float(words[6]), float(words[9])
     counted_turns, steps_engine, steps_plain = int(words[14]), int(words[18]), int(words[20])
-    assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)
+    assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=0.05)  # printed rounded to 0.001 ms
     assert counted_turns >= 4 and 0 < steps_engine < 3990 and 0 < steps_plain < 3990  # only steps inside turns
     (row,) = [r for r in table.read_text().splitlines() if r.startswith("| `baseline`")]
     cells = [c.strip() for c in row.strip("|").split("|")]
