@@ -233,24 +233,39 @@ def _interval(row: dict) -> str:
     return "–" if math.isnan(low) else f"{low:.2f}–{high:.2f}"
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=3, help="engine/plain pairs (or turn-taking runs) per variant")
+def add_comparison_args(p: argparse.ArgumentParser, repeats: int, what: str) -> None:
+    """The options every comparison of two processes takes (`trainer.overhead`, `trainer.versus`)."""
+    p.add_argument("--repeats", type=int, default=repeats, help=what)
     p.add_argument("--method", choices=METHODS, default="auto",
                    help="pairs: one process after the other; turns: both at once, taking turns; auto: turns when eager")
     p.add_argument("--turn-ms", type=float, default=100.0, help="length of a turn (--method turns)")
     p.add_argument("--settle-ms", type=float, default=20.0,
                    help="steps this soon after a turn begins are not counted (--method turns)")
-    p.add_argument("--loaders", default="", help="comma-separated strategies (default: the composed one)")
     p.add_argument("--graph", choices=sorted(GRAPH), default="eager", help="time the eager step, the graphed one, or both")
     p.add_argument("--markdown", help="also write the table to this file")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=noop engine.device=cpu")
-    args = p.parse_args(argv)
+
+
+def check_comparison_args(args) -> None:
+    """One line naming the option and the fix for a bad value of those options."""
     if args.repeats < 1:
         raise SystemExit(f"error: --repeats must be >= 1 (got {args.repeats}): use --repeats 3")
     if not 0 <= args.settle_ms < args.turn_ms:
         raise SystemExit(f"error: --settle-ms must be >= 0 and below --turn-ms (got {args.settle_ms:g} and "
                          f"{args.turn_ms:g}): use --turn-ms 100 --settle-ms 20")
+
+
+def resolve_method(method: str, graph: str) -> str:
+    """`auto`: turns for an eager step (host-bound), pairs for a CUDA-graphed one (GPU-bound)."""
+    return method if method != "auto" else ("turns" if graph == "false" else "pairs")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_comparison_args(p, repeats=3, what="engine/plain pairs (or turn-taking runs) per variant")
+    p.add_argument("--loaders", default="", help="comma-separated strategies (default: the composed one)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=noop engine.device=cpu")
+    args = p.parse_args(argv)
+    check_comparison_args(args)
     base = QUICK + args.overrides
     cfg = compose_config(base)  # fail here, once, on a bad override
     loaders = [s for s in args.loaders.split(",") if s] or [cfg.loader.name]
@@ -260,7 +275,7 @@ def main(argv=None) -> None:
             for graph in GRAPH[args.graph]:
                 overrides = [*base, f"loader={loader}", f"engine.cuda_graph={graph}"]
                 print(f"loader={loader} engine.cuda_graph={graph}", flush=True)
-                if args.method == "turns" or (args.method == "auto" and graph == "false"):
+                if resolve_method(args.method, graph) == "turns":
                     got = measure_turns(overrides, args.repeats, Path(tmp), args.turn_ms / 1e3, args.settle_ms / 1e3)
                 else:
                     got = measure(overrides, args.repeats, Path(tmp))

@@ -33,8 +33,9 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from trainer.tools import turns as turns_
-from trainer.tools.overhead import (GRAPH, METHODS, QUICK, _engine_cmd, _latest_run, _steps_csv, compose_config,
-                                    engine_run, ratio_interval)
+from trainer.tools.overhead import (GRAPH, QUICK, _engine_cmd, _interval, _latest_run, _steps_csv,
+                                    add_comparison_args, check_comparison_args, compose_config, engine_run,
+                                    ratio_interval, resolve_method)
 
 SIDES = ("a", "b")
 
@@ -103,9 +104,8 @@ def table(a: Sequence[str], b: Sequence[str], rows: List[dict]) -> str:
     lines = []
     for r in rows:
         each = ", ".join(f"{x:.3f}" for x in r["ratios"])
-        interval = "–" if np.isnan(r["ratio_ci_low"]) else f"{r['ratio_ci_low']:.2f}–{r['ratio_ci_high']:.2f}"
         lines.append(f"| {name(a)} | {name(b)} | {'yes' if r['graph'] == 'true' else 'no'} | {r['method']} "
-                     f"| {r['a_ms']:.3f} | {r['b_ms']:.3f} | {each} | {interval} "
+                     f"| {r['a_ms']:.3f} | {r['b_ms']:.3f} | {each} | {_interval(r)} "
                      f"| {r['a_page_faults']:.0f} / {r['b_page_faults']:.0f} | {r['a_cpu_ms']:.2f} / {r['b_cpu_ms']:.2f} |")
     return "\n".join([head, *lines])
 
@@ -114,23 +114,12 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m trainer.versus", description=__doc__.split("\n")[0])
     p.add_argument("--a", action="append", default=[], metavar="OVERRIDE", help="side a's own override (repeatable)")
     p.add_argument("--b", action="append", default=[], metavar="OVERRIDE", help="side b's own override (repeatable)")
-    p.add_argument("--repeats", type=int, default=2, help="comparisons per variant (the first side alternates)")
-    p.add_argument("--method", choices=METHODS, default="auto",
-                   help="turns: both at once, taking turns; pairs: one after the other; auto: turns when eager")
-    p.add_argument("--turn-ms", type=float, default=100.0, help="length of a turn (--method turns)")
-    p.add_argument("--settle-ms", type=float, default=20.0,
-                   help="steps this soon after a turn begins are not counted (--method turns)")
-    p.add_argument("--graph", choices=sorted(GRAPH), default="eager", help="time the eager step, the graphed one, or both")
-    p.add_argument("--markdown", help="also write the table to this file")
+    add_comparison_args(p, repeats=2, what="comparisons per variant (the first side alternates)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides both sides share, e.g. experiment=bench_seed0")
     args = p.parse_args(argv)
     if not args.a and not args.b:
         raise SystemExit("error: --a and --b give nothing to compare: e.g. --a loader=pinned_gather --b loader=pinned_chunk")
-    if args.repeats < 1:
-        raise SystemExit(f"error: --repeats must be >= 1 (got {args.repeats}): use --repeats 2")
-    if not 0 <= args.settle_ms < args.turn_ms:
-        raise SystemExit(f"error: --settle-ms must be >= 0 and below --turn-ms (got {args.settle_ms:g} and "
-                         f"{args.turn_ms:g}): use --turn-ms 100 --settle-ms 20")
+    check_comparison_args(args)
     base = QUICK + args.overrides
     rows = []
     with tempfile.TemporaryDirectory(prefix="feedbench-versus-") as tmp:
@@ -138,7 +127,7 @@ def main(argv=None) -> None:
             overrides = {side: [*base, f"engine.cuda_graph={graph}", *own] for side, own in zip(SIDES, (args.a, args.b))}
             for side in SIDES:
                 compose_config(overrides[side])  # fail here, once, on a bad override
-            method = args.method if args.method != "auto" else ("turns" if graph == "false" else "pairs")
+            method = resolve_method(args.method, graph)
             print(f"engine.cuda_graph={graph}: a = {' '.join(args.a)}, b = {' '.join(args.b)}", flush=True)
             rows.append({"graph": graph, **measure(overrides, args.repeats, Path(tmp), method,
                                                    args.turn_ms / 1e3, args.settle_ms / 1e3)})
