@@ -7,7 +7,9 @@ table into PAGE between its `<!-- results:NAME -->` and `<!-- /results:NAME -->`
 the prose alone; `--images DIR` copies each sweep's `comparison.png` to `DIR/<preset>.png` and
 draws `DIR/limits_bandwidth.png`. Every number is a logged metric of one child run of the
 preset's latest sweep (`python -m trainer -m experiment=<preset>`); ratios are between jobs of
-that one sweep.
+that one sweep. The plain-loop columns are each job's reference, logged on its run by
+`python -m trainer.report --plain` (the same config as a plain `for x, y in loader: step(x, y)`
+script, in a fresh process): empty where it has not run.
 """
 
 from __future__ import annotations
@@ -82,6 +84,18 @@ def diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a - b if a is not None and b is not None else None
 
 
+def plain_rate(run: Optional[Run]) -> Optional[float]:
+    """The job's samples/s in its plain loop (`python -m trainer.report --plain`): the same steps
+    over the same loader, so the engine's samples/s times engine ÷ plain."""
+    rate, vs_plain = m(run, "throughput_samples_per_s"), m(run, "engine_vs_plain")
+    return rate * vs_plain if rate is not None and vs_plain is not None else None
+
+
+def plain_time(seconds: Optional[float], run: Optional[Run]) -> Optional[float]:
+    """A duration the engine measured, as the job's plain loop took it."""
+    return ratio(seconds, m(run, "engine_vs_plain"))
+
+
 def cell(value, fmt: str = "{:.2f}") -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
@@ -139,9 +153,11 @@ def limits_table(sweep: Sweep) -> str:
         pageable = sweep.find(loader__name="baseline", loader__batch_size=str(b))
         peak_pinned, peak_pageable = m(pinned, "h2d_peak_pinned_GBps"), m(pageable, "h2d_peak_pageable_GBps")
         rows.append([size(transfer_bytes(pinned or pageable)), cell(peak_pinned), cell(peak_pageable),
-                     cell(ratio(peak_pinned, peak_pageable)), cell(m(pinned, "h2d_GBps")), cell(m(pageable, "h2d_GBps"))])
+                     cell(ratio(peak_pinned, peak_pageable)), cell(m(pinned, "h2d_GBps")), cell(m(pageable, "h2d_GBps")),
+                     cell(m(pinned, "engine_vs_plain")), cell(m(pageable, "engine_vs_plain"))])
     return table(["transfer", "pinned, alone (GB/s)", "pageable, alone (GB/s)", "pinned ÷ pageable",
-                  "pinned, in the loop (`pinned_chunk`)", "pageable, in the loop (`baseline`)"], rows)
+                  "pinned, in the loop (`pinned_chunk`)", "pageable, in the loop (`baseline`)",
+                  "`pinned_chunk` step: engine ÷ plain loop", "`baseline` step: engine ÷ plain loop"], rows)
 
 
 def copy_table(sweep: Sweep) -> str:
@@ -165,6 +181,10 @@ def copy_table(sweep: Sweep) -> str:
         ["`pinned_chunk`: allocate page-locked + generate into it, once (s)", "", cell(m(chunk, "setup_s"), "{:.2f}"), ""],
         ["`pinned_chunk`: copy per step (s)", "", cell(ms(chunk, "median_h2d_ms"), "{:.3f}"), ""],
     ]
+    for name, run in (("baseline", base), ("pinned", pinned), ("pinned_chunk", chunk)):
+        step, plain = ms(run, "ms_per_step"), ms(run, "plain_ms_per_step")
+        rows.append([f"`{name}`: step in the loop (s), engine / plain loop", "",
+                     f"{cell(step, '{:.3f}')} / {cell(plain, '{:.3f}')}" if plain is not None else cell(step, "{:.3f}"), ""])
     return table(["4 GB (1000×1000×1000 float32)", "seed 000", "ours, in the loop", "ours, alone"], rows)
 
 
@@ -177,11 +197,14 @@ def loaders_table(sweep: Sweep) -> str:
         ae, noop = (sweep.find(loader__variant=variant, model__name=model) for model in ("autoencoder", "noop"))
         seed = SEED000_LOADERS[variant]
         rows.append([f"{label} (`{variant}`)", f"{seed:.2f}", f"{SEED000_LOADERS['no_pinning'] / seed:.2f}",
-                     cell(m(ae, "throughput_samples_per_s"), "{:,.0f}"), cell(ratio(m(ae, "throughput_samples_per_s"), ref["autoencoder"])),
+                     cell(m(ae, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(ae), "{:,.0f}"),
+                     cell(ratio(m(ae, "throughput_samples_per_s"), ref["autoencoder"])),
                      cell(m(ae, "data_wait_fraction")), cell(m(ae, "gpu_busy_fraction")),
-                     cell(m(noop, "throughput_samples_per_s"), "{:,.0f}"), cell(ratio(m(noop, "throughput_samples_per_s"), ref["noop"]))])
-    return table(["variant", "seed 000 (s)", "seed: speed vs no pinning", "autoencoder samples/s", "vs no pinning",
-                  "data wait", "GPU busy", "do-nothing model samples/s", "vs no pinning"], rows)
+                     cell(m(noop, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(noop), "{:,.0f}"),
+                     cell(ratio(m(noop, "throughput_samples_per_s"), ref["noop"]))])
+    return table(["variant", "seed 000 (s)", "seed: speed vs no pinning", "autoencoder samples/s", "plain loop samples/s",
+                  "vs no pinning", "data wait", "GPU busy", "do-nothing model samples/s", "plain loop samples/s",
+                  "vs no pinning"], rows)
 
 
 def _case(run: Run) -> str:
@@ -202,9 +225,10 @@ def seed002_table(sweep: Sweep) -> str:
             r = runs.get(case)
             epoch = ratio(m(r, "total_samples"), m(r, "throughput_samples_per_s"))
             seed = SEED002.get((setting, case))
-            rows.append([setting, CASES[case], cell(seed, "{:.2f}"), cell(epoch), cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
+            rows.append([setting, CASES[case], cell(seed, "{:.2f}"), cell(epoch), cell(plain_time(epoch, r)),
+                         cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
                          cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "data_wait_fraction")), cell(m(r, "h2d_GBps"))])
-    return table(["setting", "pin_memory / copy", "seed 002 (s per epoch)", "ours (s per epoch)", "samples/s",
+    return table(["setting", "pin_memory / copy", "seed 002 (s per epoch)", "ours (s per epoch)", "plain loop (s per epoch)", "samples/s",
                   "vs pin_memory off", "data wait", "copy GB/s"], rows, numeric_from=2)
 
 
@@ -215,10 +239,10 @@ def seed003_table(sweep: Sweep) -> str:
         name, workers = r.data.params["loader.name"], r.data.params["loader.num_workers"]
         seed = SEED003.get((name, workers))
         label = {("baseline", "0"): " (seed's loader1)", ("pinned", "8"): " (seed's loader2)"}.get((name, workers), "")
-        rows.append([f"`{name}`{label}", workers, cell(seed), cell(m(r, "timed_wall_s")),
+        rows.append([f"`{name}`{label}", workers, cell(seed), cell(m(r, "timed_wall_s")), cell(plain_time(m(r, "timed_wall_s"), r)),
                      cell(m(r, "throughput_samples_per_s"), "{:,.0f}"), cell(ratio(m(r, "throughput_samples_per_s"), ref)),
                      cell(m(r, "data_wait_fraction")), cell(m(r, "gpu_busy_fraction"))])
-    return table(["loader", "workers", "seed 003 (s per epoch)", "ours: epoch 2 (s)", "samples/s", "vs loader1",
+    return table(["loader", "workers", "seed 003 (s per epoch)", "ours: epoch 2 (s)", "plain loop: epoch 2 (s)", "samples/s", "vs loader1",
                   "data wait", "GPU busy"], rows, numeric_from=2)
 
 
@@ -230,10 +254,10 @@ def seed004_table(sweep: Sweep) -> str:
                                                r.data.params["loader.prefetch_factor"])):
         workers = r.data.params["loader.num_workers"]
         prefetch = r.data.params["loader.prefetch_factor"] + (" (unused)" if workers == "0" else "")
-        rows.append([CASES[_case(r)], workers, prefetch, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
+        rows.append([CASES[_case(r)], workers, prefetch, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(r), "{:,.0f}"),
                      cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "data_wait_fraction")),
                      cell(m(r, "gpu_busy_fraction")), cell(m(r, "h2d_GBps"))])
-    return table(["pin_memory / copy", "workers", "prefetch_factor", "samples/s", "vs pageable, 0 workers",
+    return table(["pin_memory / copy", "workers", "prefetch_factor", "samples/s", "plain loop samples/s", "vs pageable, 0 workers",
                   "data wait", "GPU busy", "copy GB/s"], rows, numeric_from=3)
 
 

@@ -201,6 +201,27 @@ def test_seed_preset_runs_every_combination_on_cpu(preset, data_root, preset_swe
     check = PER_PRESET.get(preset)
     if check:
         check(children)
+    _check_results_table(preset, client, children)
+
+
+def _check_results_table(preset, client, children):
+    """docs/results.py draws the preset's table from this very sweep: a row per case, figures in each."""
+    results = _results_module()
+    rows = [line for line in results.TABLES[preset](results.Sweep(client, preset)).splitlines()[2:]]
+    assert rows and all("None" not in row and "nan" not in row for row in rows)
+    expected = {"limits": 8, "seed000_copy": 11, "seed000_loaders": 4, "seed002": 6, "seed003": 12, "seed004": 12,
+                "seed000_lightning": 6, "seed001": 8}[preset]
+    assert len(rows) == expected
+    numbers = lambda row: re.findall(r"\| [\d,.]+ ", row)  # noqa: E731
+    assert all(numbers(row) for row in rows[1 if preset == "seed000_lightning" else 0:])
+    if preset == "seed000_copy":  # its plain-loop rows fill in once `report --plain` has run the three plain loops
+        from trainer.tools.plain_loop import annotate
+        annotate(client, children, log=lambda line: None)
+        table = results.TABLES[preset](results.Sweep(client, preset))
+        for run in children:
+            strategy = run.data.tags["strategy"]
+            step, plain = run.data.metrics["ms_per_step"] / 1e3, run.data.metrics["plain_ms_per_step"] / 1e3
+            assert f"| `{strategy}`: step in the loop (s), engine / plain loop |  | {step:.3f} / {plain:.3f} |" in table
 
 
 def _check_copy(children):
