@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import time
 from typing import Tuple
 
 import pytest
@@ -192,6 +193,19 @@ def test_pinned_gather_reuses_its_slots_and_hands_out_copies(tiny_cfg, gather_th
         assert loader.slots_x is slots and slots.data_ptr() == lo  # allocated once
     order = torch.cat([epoch_order(len(ds), True, 1, e) for e in range(3)])
     assert torch.equal(torch.cat(seen), data[order])  # nothing overwritten after it was handed out
+    assert not gather_threads()
+
+
+def test_pinned_gather_threads_stop_when_an_unclosed_loader_is_collected(tiny_cfg, gather_threads):
+    _, gather = _pair(tiny_cfg, "loader.batch_size=8", threads=3)
+    it = iter(gather)
+    next(it)
+    assert len(gather_threads()) == 3
+    del it, gather, _
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while gather_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not gather_threads()
 
 

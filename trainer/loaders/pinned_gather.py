@@ -12,14 +12,21 @@ in advance) while the last ones of this epoch are copied.
 
 The ring holds `loader.depth + loader.threads + 1` slots: `depth` batches being copied ahead,
 one the step is about to use, and one per thread to gather into meanwhile.
+
+The threads are fed through lean C-level queues rather than an executor's futures: a gather is
+one `put` on the loop's thread and one `get` when its batch is due, and in between a worker takes
+the GIL only to start the gather and to report it. An eager step is bound by the loop's thread
+launching kernels; every extra GIL handoff and lock between it and the workers slows it down.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
+import weakref
 from collections import deque
-from concurrent.futures import CancelledError, ThreadPoolExecutor, wait
-from typing import Deque, Iterator, Optional, Tuple
+from typing import Deque, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -68,26 +75,29 @@ class PinnedGatherLoader(DeviceLoader):
         # again only after its gather, which began after the wait on the previous record ended.
         # Before its first copy a slot's event is unrecorded, and waiting on it returns at once.
         self.slot_events = [torch.cuda.Event(blocking=True) for _ in range(self.num_slots)] if self.on_cuda else None
-        self.pending: Deque = deque()  # (epoch, batch, slot, future) of the queued gathers, in order
+        self.pending: Deque = deque()  # (epoch, batch, slot) of the queued gathers, in order
         self.upcoming: Iterator = iter(())  # the batches to queue next (`_schedule`)
         self.queued = 0  # gathers queued so far: the next one fills slot `queued % num_slots`
         self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)  # one stream per loader
-        # Threads start with the first batch and live until close(); on CUDA they wait on copy
-        # events, so they use the loader's device.
-        on_device = {}
-        if self.on_cuda:
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            on_device = {"initializer": torch.cuda.set_device, "initargs": (index,)}
-        self.pool: Optional[ThreadPoolExecutor] = ThreadPoolExecutor(
-            max_workers=cfg.threads, thread_name_prefix=THREAD_PREFIX, **on_device)
+        # Views of each slot, made once: the loop's thread hands out one per batch.
+        self._views = [(self.slots_x[s], self.slots_y[s]) for s in range(self.num_slots)]
+        # The gather threads: `todo` carries (slot, rows, event) to them, `done[slot]` brings back
+        # the outcome of the gather into that slot (at most one is queued per slot at a time).
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.done = [queue.SimpleQueue() for _ in range(self.num_slots)]
+        self.threads: List[threading.Thread] = []  # started with the first batch, stopped by close()
+        # A loader dropped without close() stops its threads when it is collected (they hold it
+        # only weakly, between gathers).
+        self._stop_threads = weakref.finalize(self, _stop, self.todo, self.threads)
+        self.closed = False
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
 
     def _gather(self, slot: int, rows: np.ndarray, after) -> int:
         """Gather `rows` into `slot` (runs in a worker thread); returns the number of rows."""
-        if after is not None:
+        if after is not None and not after.query():
             # FFCV's rule: the slot is not rewritten until the copy that reads it has completed
-            # (a host-side wait on this thread, never on the loop's).
+            # (a host-side wait on this thread, never on the loop's; skipped when it already has).
             after.synchronize()
         m = len(rows)
         # np.take releases the GIL and copies row by row on this thread alone; torch.index_select
@@ -97,6 +107,19 @@ class PinnedGatherLoader(DeviceLoader):
         np.take(self._src_x, rows, axis=0, out=self._dst_x[slot][:m], mode="clip")
         np.take(self._src_y, rows, axis=0, out=self._dst_y[slot][:m], mode="clip")
         return m
+
+    def _start_threads(self) -> None:
+        if self.threads:
+            return
+        # On CUDA the threads wait on copy events, so they use the loader's device.
+        index = None
+        if self.on_cuda:
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        for k in range(self.cfg.threads):
+            t = threading.Thread(target=_work, args=(self.todo, self.done, weakref.ref(self), index),
+                                 name=f"{THREAD_PREFIX}_{k}", daemon=True)
+            t.start()
+            self.threads.append(t)
 
     def _schedule(self, epoch: int) -> Iterator[Tuple[int, int, np.ndarray]]:
         """`(epoch, batch, rows)` of every batch from `epoch` on, epoch after epoch."""
@@ -117,14 +140,32 @@ class PinnedGatherLoader(DeviceLoader):
             epoch, i, rows = batch
             slot = self.queued % self.num_slots
             self.queued += 1
-            future = self.pool.submit(self._gather, slot, rows, self.slot_events[slot] if self.slot_events else None)
-            self.pending.append((epoch, i, slot, future))
+            self.todo.put((slot, rows, self.slot_events[slot] if self.slot_events else None))
+            self.pending.append((epoch, i, slot))
 
     def _drop_gathers(self) -> None:
         """Cancel the queued gathers and wait for those already running: no slot is written after this."""
-        for *_, future in self.pending:
-            future.cancel()
-        wait([future for *_, future in self.pending])
+        while True:  # the gathers no thread has taken yet: never started
+            try:
+                self.todo.get_nowait()
+            except queue.Empty:
+                break
+        if self.threads and any(t.is_alive() for t in self.threads):
+            # A fence: every thread meets the loop's thread at a barrier once it has finished
+            # what it took, so no gather is running after this, whichever ones had reported.
+            fence = threading.Barrier(len(self.threads) + 1)
+            for _ in self.threads:
+                self.todo.put(fence)
+            try:
+                fence.wait()
+            finally:
+                fence.abort()  # interrupted here: no thread stays stuck at the barrier
+        for done in self.done:  # the outcomes nobody will ask for
+            while True:
+                try:
+                    done.get_nowait()
+                except queue.Empty:
+                    break
         self.pending.clear()
 
     def _host_batches(self, epoch: int) -> Iterator:
@@ -134,20 +175,24 @@ class PinnedGatherLoader(DeviceLoader):
         the first batches of the next epoch are gathered while the last ones of this epoch are
         copied, so a new epoch starts without waiting for a gather.
         """
-        if self.pool is None:
+        if self.closed:
             raise RuntimeError("loader=pinned_gather is closed: build a new one to iterate again")
+        self._start_threads()
         if not (self.pending and self.pending[0][:2] == (epoch, 0)):  # not gathered ahead: first or abandoned pass
             self._drop_gathers()
             self.upcoming = self._schedule(epoch)
+        rows = len(self._views[0][1])
         finished = False
         try:
             for i in range(len(self)):
-                if self.pool is None:
+                if self.closed:
                     raise RuntimeError("loader=pinned_gather was closed during a pass")
                 self._queue_gathers()  # the batch handed out before this one has been consumed
-                m = _result(self.pending[0][3])  # left in `pending` until done: an interrupt here still waits for it
-                _, _, slot, _ = self.pending.popleft()
-                yield (self.slots_x[slot][:m], self.slots_y[slot][:m]), slot
+                slot = self.pending[0][2]
+                m = _result(self.done[slot].get())  # an interrupt before `popleft` is fine: the fence waits for every thread
+                self.pending.popleft()
+                x, y = self._views[slot]
+                yield ((x, y) if m == rows else (x[:m], y[:m])), slot
             self._queue_gathers()  # the last batch is consumed: start on the next epoch's
             finished = True
         finally:
@@ -173,23 +218,64 @@ class PinnedGatherLoader(DeviceLoader):
 
     def close(self):
         super().close()
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)  # the threads have exited on return
-            self.pool = None
+        if not self.closed:
+            self.closed = True
+            self._drop_gathers()
+            self._stop_threads()  # each thread takes one stop and exits
+            for t in self.threads:
+                t.join()
+            self.threads.clear()
         self.pending.clear()
         self.x = self.y = self.slots_x = self.slots_y = None
         self._src_x = self._src_y = None
-        self._dst_x, self._dst_y, self.slot_events = [], [], None
+        self._dst_x, self._dst_y, self._views, self.slot_events = [], [], [], None
 
 
-def _result(future) -> int:
-    """A gather's result; a failed gather becomes a one-line `RunFailed`."""
-    try:
-        return future.result()
-    except CancelledError:
-        raise RuntimeError("loader=pinned_gather was closed during a pass") from None
-    except Exception as e:
+class _Failed:
+    """What a gather that raised reports instead of its number of rows."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _work(todo: queue.SimpleQueue, done: list, loader_ref, device_index: Optional[int]) -> None:
+    """A gather thread: take (slot, rows, event) from `todo`, gather, report on `done[slot]`;
+    meet the loop's thread at a fence (`_drop_gathers`); exit on None or once the loader is gone."""
+    if device_index is not None:
+        torch.cuda.set_device(device_index)
+    while True:
+        item = todo.get()  # blocks without the GIL
+        if item is None:
+            return
+        if isinstance(item, threading.Barrier):
+            try:
+                item.wait()
+            except threading.BrokenBarrierError:
+                pass
+            continue
+        loader = loader_ref()
+        if loader is None:
+            return
+        slot, rows, after = item
+        try:
+            outcome = loader._gather(slot, rows, after)
+        except BaseException as e:  # reported to the loop's thread, which fails the run
+            outcome = _Failed(e)
+        del loader
+        done[slot].put(outcome)
+
+
+def _stop(todo: queue.SimpleQueue, threads: list) -> None:
+    for _ in threads:
+        todo.put(None)
+
+
+def _result(outcome) -> int:
+    """A gather's number of rows; a failed gather becomes a one-line `RunFailed`."""
+    if isinstance(outcome, _Failed):
+        e = outcome.error
         raise RunFailed(f"a loader=pinned_gather gather thread failed: {type(e).__name__}: {e}") from e
+    return outcome
 
 
 def _load_whole(dataset):
