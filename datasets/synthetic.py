@@ -29,7 +29,7 @@ class SyntheticDataset(FeedDataset):
         self.sample_shape = tuple(int(s) for s in cfg.shape)
         self.storage_dtype = _DTYPES[cfg.dtype]
         self.num_classes = int(cfg.num_classes)
-        n = int(cfg.num_samples)
+        n = self.num_samples = int(cfg.num_samples)  # read once: len() is asked at every epoch
         self.chunk_samples = chunk_size(cfg)
         # One fixed random class per sample, independent of how the data is chunked: the one
         # allocation the dataset makes for all samples at once, before any strategy checks its own.
@@ -39,7 +39,7 @@ class SyntheticDataset(FeedDataset):
         self._all: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
-        return int(self.cfg.num_samples)
+        return self.num_samples
 
     def load_chunk(self, i: int, out: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         start, stop = self.chunk_range(i)

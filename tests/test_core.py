@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from trainer.config import PROJECT_ROOT, SCHEMAS
 from trainer.loop.run import run
@@ -139,6 +140,17 @@ def test_a_run_records_its_heap_setting(tiny_cfg, runs):
     run(tiny_cfg("engine.steady_heap=false"))
     tags = [r.data.tags["steady_heap"] for r in runs()]
     assert tags == ["false", "true" if sys.platform.startswith("linux") else "unavailable"]
+
+
+def test_interpolations_are_resolved_once_before_the_run(tiny_cfg, runs):
+    """`limits` sets dataset.num_samples=${loader.batch_size}: resolved before anything is built,
+    not parsed again whenever a loader asks the dataset its length (every epoch)."""
+    cfg = tiny_cfg("loader=pinned_chunk", "loader.batch_size=8", "dataset.num_samples=${loader.batch_size}", "engine.epochs=3")
+    run(cfg)
+    assert not OmegaConf.is_interpolation(cfg.dataset, "num_samples") and cfg.dataset.num_samples == 8
+    (r,) = runs()
+    assert r.data.params["dataset.num_samples"] == "8"
+    assert (r.data.metrics["total_steps"], r.data.metrics["total_samples"]) == (3, 24)  # three one-batch epochs
 
 
 def test_a_run_that_is_all_warm_up_says_so_and_times_nothing(tiny_cfg, runs, capsys):

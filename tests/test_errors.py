@@ -65,6 +65,8 @@ def test_unknown_key_and_wrong_type_fail_at_compose_time(tmp_path, tracking_uri,
     pytest.param(["engine.max_steps=-1"], r"engine\.max_steps must be >= 0 \(got -1\): set engine\.max_steps=0 \(run engine\.epochs passes\)$", id="engine.max_steps=-1"),
     pytest.param(["distributed.timeout_s=-1"], r"distributed\.timeout_s must be a finite number of seconds > 0 \(got -1\.0\): set distributed\.timeout_s=300$", id="distributed.timeout_s=-1"),
     pytest.param([f"tracking.experiment={'e' * 600}"], r"tracking\.experiment must be at most 500 characters \(got 600\): set tracking\.experiment=feedbench$", id="tracking.experiment of 600 characters"),
+    pytest.param(["dataset.num_samples=${nope}"], r"dataset\.num_samples: its interpolation cannot be resolved \(Interpolation key 'nope' not found\): "
+                 r"set dataset\.num_samples to a value, or to \$\{\.\.\.\} of a key that exists$", id="dataset.num_samples=${nope}"),
     pytest.param([f"dataset.shape=[{','.join(['1'] * 40)}]"], r"dataset\.shape must have at most 31 sizes \(got 40\): set dataset\.shape=\[256,256\]$", id="dataset.shape with 40 sizes"),
 ])
 def test_out_of_range_values_name_key_value_and_fix(tmp_path, tracking_uri, overrides, pattern):

@@ -42,6 +42,7 @@ from trainer.loop.meter import host_usage  # the engine's own count of faults an
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.tools.heap import keep_freed
 from trainer.tools.turns import pause_if_asked
+from trainer.validate import resolve
 
 
 def _sync(device) -> None:
@@ -52,6 +53,7 @@ def _sync(device) -> None:
 def measure(cfg, clock_file: Optional[str] = None) -> dict:
     """Run the plain loop for `cfg` (a composed config) and return its figures; `clock_file`: also
     save when each timed step began and ended (`.npy`, host monotonic clock: one more entry than steps)."""
+    resolve(cfg)  # as run() does: no interpolation is parsed again inside the loop
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if cfg.engine.get("steady_heap", True):
