@@ -219,6 +219,20 @@ def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, t
         assert logged["plain_timed_steps"] == 5 and logged["engine_vs_plain"] == float(row["engine_vs_plain"])
 
 
+def test_report_shows_the_pinned_ceiling_beside_the_copy_bandwidth_when_a_job_logged_it():
+    # CPU runs log no ceiling (no copy): the column is absent. A CUDA run logs h2d_peak_pinned_GBps
+    # after its loop, and the table puts it right after h2d_GBps so the two read together.
+    cpu = [{"h2d_GBps": None, "h2d_peak_pinned_GBps": None}]
+    assert report.PEAK not in report.metric_columns(cpu)
+    cuda = [{"h2d_GBps": 45.1, "h2d_peak_pinned_GBps": 53.6, "plain_ms_per_step": 2.0, "engine_vs_plain": 1.01},
+            {"h2d_GBps": 30.2}]
+    cols = report.metric_columns(cuda)
+    assert cols[cols.index("h2d_GBps") + 1] == report.PEAK and cols[-2:] == list(report.PLAIN)
+    job = {"job": "0", "status": "FINISHED", **cuda[0]}
+    assert csv_rows(report.to_csv([], [job]))[0][report.PEAK] == "53.6"
+    assert "53.60" in report.format_table([], [job]).splitlines()[2].split()
+
+
 def test_report_errors_name_the_fix_and_create_nothing(tmp_path, tracking_uri, capsys):
     missing = tmp_path / "none.db"
     assert report.main(["--uri", f"sqlite:///{missing}"]) == 2

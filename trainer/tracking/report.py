@@ -28,10 +28,13 @@ METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "gp
            "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
 # Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
+# Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
+# from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
+PEAK = "h2d_peak_pinned_GBps"
 FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
            "gpu_busy_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
-           "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}"}
+           "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}", PEAK: "{:.2f}"}
 BASELINE = "baseline"
 STRATEGY = "loader.name"
 
@@ -122,7 +125,7 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
         row: Dict[str, object] = {"job": r.data.tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
         row.update({column(k): r.data.params.get(k, "") for k in keys})
         row["status"] = r.info.status
-        for m in METRICS + PLAIN:
+        for m in METRICS + PLAIN + (PEAK,):
             row[m] = r.data.metrics.get(m) if done else None
         row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
         row["run_id"] = r.info.run_id
@@ -165,7 +168,10 @@ def overlap_warning(rows: Sequence[dict]) -> Optional[str]:
 
 
 def metric_columns(rows: Sequence[dict]) -> List[str]:
-    return [*METRICS, *(m for m in PLAIN if any(row.get(m) is not None for row in rows))]
+    def present(m: str) -> bool:
+        return any(row.get(m) is not None for row in rows)
+    at = METRICS.index("h2d_GBps") + 1
+    return [*METRICS[:at], *([PEAK] if present(PEAK) else []), *METRICS[at:], *filter(present, PLAIN)]
 
 
 def header(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
