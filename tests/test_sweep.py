@@ -233,6 +233,22 @@ def test_report_shows_the_pinned_ceiling_beside_the_copy_bandwidth_when_a_job_lo
     assert "53.60" in report.format_table([], [job]).splitlines()[2].split()
 
 
+def test_a_swept_key_given_on_the_command_line_replaces_the_presets_sweep_of_it():
+    # As Hydra's basic sweeper runs it: the preset sweeps loader and batch size; the command line
+    # narrows loader to one value and batch size to two. The parent is named after what ran.
+    from omegaconf import OmegaConf
+    config = OmegaConf.create({"hydra": {
+        "sweeper": {"params": {"loader": "baseline,pinned_chunk", "loader.batch_size": "1,4,16,64"}},
+        "overrides": {"task": ["experiment=limits", "loader=pinned_chunk", "loader.batch_size=1,4",
+                               "hydra.sweep.dir=x,y"]}}})
+    overrides = sweep.sweep_overrides(config)
+    assert overrides == ["loader.batch_size=1,4"]
+    assert sweep.swept_keys(overrides) == ["loader.batch_size"]
+    config.hydra.overrides.task = ["model=noop,mlp"]
+    assert sweep.sweep_overrides(config) == ["loader=baseline,pinned_chunk", "loader.batch_size=1,4,16,64",
+                                             "model=noop,mlp"]
+
+
 def test_report_errors_name_the_fix_and_create_nothing(tmp_path, tracking_uri, capsys):
     missing = tmp_path / "none.db"
     assert report.main(["--uri", f"sqlite:///{missing}"]) == 2

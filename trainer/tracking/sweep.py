@@ -35,12 +35,15 @@ PARENT_KEY = "tracking.parent_run_id"
 
 def sweep_overrides(config: DictConfig) -> List[str]:
     """The multirun's overrides that sweep (`loader=baseline,pinned`), command line and
-    `hydra.sweeper.params` alike."""
-    lines = [str(o) for o in config.hydra.overrides.task]
+    `hydra.sweeper.params` alike, as Hydra's basic sweeper combines them: a key given in both
+    takes the command line's value at the params' place (`experiment=limits loader=baseline`
+    sweeps the batch sizes only)."""
     params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    lines += [f"{k}={v}" for k, v in params.items()]
-    parsed = OverridesParser.create().parse_overrides(lines)
-    return [o.input_line for o in parsed if o.is_sweep_override() and not o.is_hydra_override()]
+    lines = [f"{k}={v}" for k, v in params.items()] + [str(o) for o in config.hydra.overrides.task]
+    final: Dict[str, object] = {}
+    for o in OverridesParser.create().parse_overrides(lines):
+        final[o.get_key_element()] = o   # a dict keeps the first place and takes the last value
+    return [o.input_line for o in final.values() if o.is_sweep_override() and not o.is_hydra_override()]
 
 
 def swept_keys(overrides: Sequence[str]) -> List[str]:
