@@ -314,6 +314,35 @@ def test_the_engine_holds_batches_as_a_plain_for_loop_does():
     assert at_step == [0] * 8  # the pair was unpacked: nothing holds it during the step
 
 
+def test_the_timed_region_ends_with_the_last_step_not_with_the_teardown():
+    # Closing the pass (a loader stopping its threads, returning buffers) and the last loss check
+    # come after the steps: a plain `for x, y in loader` loop does not time them, nor does the meter.
+    import time
+    import torch
+    from omegaconf import OmegaConf
+    from trainer.loop.engine import train
+    from trainer.loop.meter import StepMeter
+
+    class Loader:
+        def __len__(self):
+            return 100
+
+        def __iter__(self):
+            try:
+                for _ in range(100):
+                    yield torch.ones(2, 3), torch.zeros(2)
+            finally:
+                time.sleep(0.5)  # a slow close, after max_steps stops the pass half-way
+
+    cfg = OmegaConf.create({"max_steps": 12, "epochs": 1, "warmup_steps": 2, "progress": False, "optimizer": {"lr": 0.1}})
+    meter = StepMeter(torch.device("cpu"), 2, capacity=12)
+    start = time.perf_counter()
+    assert train(lambda x, y: x.sum(), Loader(), meter, cfg) == 12
+    summary = meter.finish().summary
+    assert time.perf_counter() - start >= 0.5 and summary["timed_steps"] == 10
+    assert summary["timed_wall_s"] < 0.25
+
+
 def test_warmup_is_excluded_from_summaries(tiny_cfg):
     summary = run(tiny_cfg("engine.warmup_steps=4"))
     assert summary["timed_steps"] == 2 and summary["total_steps"] == 6

@@ -63,6 +63,7 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
             if checksum is not None:
                 checksum.end_epoch()
             epoch += 1
+        meter.end_timed()  # before the last loss check: the timed region is the steps alone
         watch.final()
     finally:
         gc.unfreeze()

@@ -105,6 +105,13 @@ class LossWatch:
         self.pending: Optional[tuple] = None  # (first, last) step covered by the verdict in flight
         self._host = torch.empty((), dtype=torch.bool, pin_memory=self.cuda)
         self._event = torch.cuda.Event() if self.cuda else None
+        if self.cuda:
+            # A kernel's first launch in a process loads its module (CUDA's lazy loading: up to
+            # ~0.1 s and thousands of page faults). Launch the check's kernels once now, before
+            # the loop, so that the first check inside the timed steps costs what the others do.
+            held = [torch.zeros((), device=meter.device)] * 2
+            self._host.copy_(torch.isfinite(torch.stack(held)).all(), non_blocking=True)
+            torch.cuda.synchronize(meter.device)
 
     def after_step(self, step: int) -> None:
         """Called after every step: cheap unless `step` is a multiple of `every`."""

@@ -49,7 +49,7 @@ from trainer.lightning import EpochPasses
 from trainer.loaders.stream import tensors
 from trainer.loop.faults import LossWatch
 from trainer.loop.engine import planned_steps
-from trainer.loop.meter import MeterResult, StepMeter, busy_fraction, host_usage, median_of_timed
+from trainer.loop.meter import MeterResult, StepMeter, busy_fraction, median_of_timed
 
 
 class LightningMeter(StepMeter):
@@ -109,10 +109,8 @@ class LightningMeter(StepMeter):
             return
         self._loop_end = time.perf_counter()
         if sync:
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
-            self._synced_end = time.perf_counter()
-            self._usage_end = host_usage()  # the timed steps' host side, without Lightning's teardown
+            self.end_timed()  # the timed steps' host side, without Lightning's teardown
+            self._synced_end = self._t_end
 
     def finish(self) -> MeterResult:
         result = super().finish()
@@ -282,8 +280,8 @@ class _Loop(L.Callback):
             self.checksum.end_epoch()
 
     def on_train_end(self, trainer, pl_module):
+        self.meter.end_loop()  # as in our loop: the last loss check is after the timed region
         self.watch.final()
-        self.meter.end_loop()
 
     def on_exception(self, trainer, pl_module, exception):
         self.exception = exception

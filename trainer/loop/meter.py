@@ -122,7 +122,10 @@ class StepMeter:
         self._t0: Optional[float] = None
         self._timed_from = 0
         self._usage0 = (0, 0.0)
-        self._usage_end: Optional[tuple] = None  # host usage where the loop ended, when not at finish()
+        # Where the timed region ended (`end_timed`): clock, wall clock, host usage.
+        self._t_end: Optional[float] = None
+        self._t_end_unix = 0.0
+        self._usage_end: Optional[tuple] = None
 
     def _reserve(self, n: int) -> None:
         """Room for `n` more steps (before the loop; past PREALLOCATE_MAX, in blocks)."""
@@ -243,6 +246,15 @@ class StepMeter:
         self._timed_from = self.n
         self._usage0 = host_usage()
 
+    def end_timed(self) -> None:
+        """The loop issued its last step: wait for the device and end the timed region here.
+        What follows (the loss check's last verdict, closing the loader's threads and buffers)
+        is the run's teardown, which a plain `for x, y in loader` loop does not time either."""
+        if self._t_end is not None:
+            return
+        self._sync()
+        self._t_end, self._t_end_unix, self._usage_end = time.perf_counter(), time.time(), host_usage()
+
     def _sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
@@ -250,10 +262,10 @@ class StepMeter:
     # -- after the loop ----------------------------------------------------------------------
     def finish(self) -> MeterResult:
         """Wait for the device, read every event and compute the summaries."""
+        self.end_timed()  # a loop that broke off (error, Ctrl-C) is timed up to now
         self._sync()
-        t1 = time.perf_counter()
-        t1_unix = time.time()  # wall-clock end of the timed region (see `timed_start_unix_s`)
-        usage1 = self._usage_end or host_usage()  # a loop that ended earlier (Lightning's) says when
+        # t1_unix: the wall-clock end of the timed region (see `timed_start_unix_s`)
+        t1, t1_unix, usage1 = self._t_end, self._t_end_unix, self._usage_end
         n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
         losses = self.losses(0, n).float().cpu().tolist() if n else []
         rows, spans = [], []
