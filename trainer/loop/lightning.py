@@ -66,9 +66,7 @@ class LightningMeter(StepMeter):
         super().__init__(device, warmup_steps, capacity, gpu_timing_every)
         self.marks: List[list] = []  # one per started step
         self._mark: Optional[list] = None  # the current step's, from the start of its wait
-        self._timed_at: Optional[float] = None
         self._loop_end: Optional[float] = None
-        self._synced_end: Optional[float] = None
 
     @property
     def steps_started(self) -> int:
@@ -77,7 +75,7 @@ class LightningMeter(StepMeter):
     @property
     def timing(self) -> bool:
         """Whether the timed region has begun."""
-        return self._timed_at is not None
+        return self._t0 is not None
 
     def wait_begin(self) -> None:
         super().wait_begin()
@@ -98,10 +96,6 @@ class LightningMeter(StepMeter):
             self._mark = [now, now, 0.0, 0.0, 0.0]
         self.marks.append(self._mark)
 
-    def start_timed(self) -> None:
-        super().start_timed()
-        self._timed_at = time.perf_counter()
-
     def end_loop(self, sync: bool = True) -> None:
         """Training ended (or broke): the last step's wall time ends here; with `sync`, the timed
         region ends once the device has finished, before Lightning's teardown."""
@@ -110,7 +104,6 @@ class LightningMeter(StepMeter):
         self._loop_end = time.perf_counter()
         if sync:
             self.end_timed()  # the timed steps' host side, without Lightning's teardown
-            self._synced_end = self._t_end
 
     def finish(self) -> MeterResult:
         result = super().finish()
@@ -131,11 +124,8 @@ class LightningMeter(StepMeter):
                 row["compute_ms"] = step_s * 1e3
             row["lightning_ms"] = max(0.0, row["step_ms"] - row["data_wait_ms"] - (step_s + books_s) * 1e3)
         timed = rows[len(rows) - int(summary["timed_steps"]):]
-        if self._synced_end is not None:
-            wall = self._synced_end - self._timed_at
-        else:  # training broke off: timed up to now, as StepMeter does
-            wall = summary["timed_wall_s"]
-        summary.update(_resummarise(timed, wall))
+        # The timed region ended at `end_loop` or, for training that broke off, at `finish`.
+        summary.update(_resummarise(timed, summary["timed_wall_s"]))
         return result
 
 

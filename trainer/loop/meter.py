@@ -263,7 +263,7 @@ class StepMeter:
     def finish(self) -> MeterResult:
         """Wait for the device, read every event and compute the summaries."""
         self.end_timed()  # a loop that broke off (error, Ctrl-C) is timed up to now
-        self._sync()
+        self._sync()  # work queued since (the last loss check, a loader's teardown) ends before events are read
         # t1_unix: the wall-clock end of the timed region (see `timed_start_unix_s`)
         t1, t1_unix, usage1 = self._t_end, self._t_end_unix, self._usage_end
         n = self.n = self.ended  # drop a step interrupted between step_begin and step_end
