@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import TINY  # noqa: F401  (re-exported for the tests)
@@ -96,3 +97,28 @@ def _read(path: str) -> bytes:
         return Path(path).read_bytes()
     except OSError:
         return b""
+
+
+def turns_repeat(out: str) -> dict:
+    """The one "repeat" line that `trainer.overhead` and `trainer.versus` print per turn-taking run:
+    "repeat 1: X 1.234 ms/step, Y 1.111 ms/step, ratio 1.111 (turns of 20 ms: T counted, steps X S, Y S; ...)"."""
+    (line,) = [line for line in out.splitlines() if line.strip().startswith("repeat")]
+    words = line.replace(",", "").replace(";", "").split()
+    return {"first": float(words[3]), "second": float(words[6]), "ratio": float(words[9]),
+            "turns": int(words[14]), "steps": (int(words[18]), int(words[20]))}
+
+
+def check_turns_run(out: str, table: Path, first_cell: str, max_steps: int):
+    """What any turn-taking comparison must show: both sides timed, the ratio theirs, several turns
+    counted, only the steps inside them (fewer than the run's timed steps); and its table row."""
+    got = turns_repeat(out)
+    first, second = got["first"], got["second"]
+    assert first > 0 and second > 0 and got["ratio"] == pytest.approx(first / second, rel=0.05)  # printed to 0.001 ms
+    assert got["turns"] >= 4 and all(0 < n < max_steps - 10 for n in got["steps"])  # 10 warm-up steps
+    return got, markdown_row(table, first_cell)
+
+
+def markdown_row(table: Path, first_cell: str) -> List[str]:
+    """The cells of the one row of a markdown table file whose first cell begins with `first_cell`."""
+    (row,) = [r for r in table.read_text().splitlines() if r.startswith(f"| {first_cell}")]
+    return [c.strip() for c in row.strip("|").split("|")]

@@ -19,6 +19,7 @@ from trainer.config import PROJECT_ROOT, SCHEMAS
 from trainer.loop.run import run
 from trainer.tracking.runs import PER_STEP_METRICS
 
+from clirun import check_turns_run
 from conftest import compose_config
 
 SUMMARIES = ["throughput_samples_per_s", "data_wait_fraction", "gpu_busy_fraction", "h2d_GBps", "setup_s",
@@ -392,15 +393,7 @@ def test_overhead_tool_in_turns_counts_each_side_inside_its_own_turns(tmp_path, 
     main(["--repeats", "1", "--turn-ms", "20", "--settle-ms", "2", "--markdown", str(table), "model=noop",
           "engine.device=cpu", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
           "engine.max_steps=4000", "engine.warmup_steps=10"])
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("repeat")]
-    words = line.replace(",", "").replace(";", "").split()
-    # "repeat 1: engine E ms/step, plain P ms/step, ratio R (turns of 20 ms: T counted, steps engine S, plain S; ...)"
-    engine, plain, ratio = float(words[3]), float(words[6]), float(words[9])
-    counted_turns, steps_engine, steps_plain = int(words[14]), int(words[18]), int(words[20])
-    assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=0.05)  # printed rounded to 0.001 ms
-    assert counted_turns >= 4 and 0 < steps_engine < 3990 and 0 < steps_plain < 3990  # only steps inside turns
-    (row,) = [r for r in table.read_text().splitlines() if r.startswith("| `baseline`")]
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    _, cells = check_turns_run(capsys.readouterr().out, table, "`baseline`", max_steps=4000)
     assert cells[1:3] == ["no", "turns"] and cells[6] != "–"  # adjacent turns give an interval
 
 

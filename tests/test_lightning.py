@@ -20,7 +20,7 @@ import torch
 import yaml
 from mlflow.tracking import MlflowClient
 
-from clirun import LONG, TINY, command, steps_csv, wait_for_running
+from clirun import LONG, TINY, check_turns_run, command, steps_csv, wait_for_running
 from conftest import compose_config
 from test_interrupts import assert_killed_with_steps, signal_when_running
 from trainer.config import PROJECT_ROOT, SCHEMAS
@@ -473,3 +473,19 @@ def test_gpu_out_of_memory_in_a_lightning_step_is_one_line(tiny_cfg, runs):
                      "model.hidden=1048576", f"dataset.num_samples={b}", f"loader.batch_size={b}", "engine.max_steps=2"))
     (r,) = runs()
     assert r.info.status == "FAILED" and "out of GPU memory" in r.data.tags["error"]
+
+
+def test_versus_times_lightnings_loop_against_ours_in_turns(tmp_path, capsys):
+    """The README's `trainer.versus --a engine.loop=lightning --b engine.loop=feedbench`: Lightning's
+    run records the per-step host clock that turn-taking needs, so each loop's ms/step counts only
+    its own turns, and the table names both sides."""
+    from trainer.versus import main
+    table = tmp_path / "versus.md"
+    main(["--a", "engine.loop=lightning", "--b", "engine.loop=feedbench", "--graph", "eager", "--repeats", "1",
+          "--turn-ms", "20", "--settle-ms", "2", "--markdown", str(table), "loader=pinned", "model=noop",
+          "engine.device=cpu", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
+          "engine.max_steps=1500", "engine.warmup_steps=10"])
+    got, cells = check_turns_run(capsys.readouterr().out, table, "`engine.loop=lightning`", max_steps=1500)
+    assert cells[1:4] == ["`engine.loop=feedbench`", "no", "turns"]
+    assert float(cells[4]) == pytest.approx(got["first"], abs=1e-3)
+    assert float(cells[5]) == pytest.approx(got["second"], abs=1e-3)

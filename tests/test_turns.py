@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from clirun import check_turns_run
 from trainer.config import PROJECT_ROOT
 from trainer.tools.turns import PAUSE_ENV, Turn, pause_if_asked, take_turns, turn_rates
 
@@ -104,17 +105,10 @@ def test_versus_compares_two_configurations_in_turns(tmp_path, capsys):
           "--turn-ms", "20", "--settle-ms", "2", "--markdown", str(table), "model=noop", "engine.device=cpu",
           "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.max_steps=3000",
           "engine.warmup_steps=10"])
-    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("repeat")]
-    words = line.replace(",", "").replace(";", "").split()
-    # "repeat 1: a A ms/step b B ms/step ratio R (turns of 20 ms: T counted steps a S b S ...)"
-    a, b, ratio = float(words[3]), float(words[6]), float(words[9])
-    counted_turns, steps_a, steps_b = int(words[14]), int(words[18]), int(words[20])
-    assert a > 0 and b > 0 and ratio == pytest.approx(a / b, rel=0.05)  # printed rounded to 0.001 ms
-    assert counted_turns >= 4 and 0 < steps_a < 2990 and 0 < steps_b < 2990  # only steps inside turns
-    (row,) = [r for r in table.read_text().splitlines() if r.startswith("| `loader=pinned_gather`")]
-    cells = [c.strip() for c in row.strip("|").split("|")]
+    got, cells = check_turns_run(capsys.readouterr().out, table, "`loader=pinned_gather`", max_steps=3000)
     assert cells[1:4] == ["`loader=pinned_chunk`", "no", "turns"]
-    assert float(cells[4]) == pytest.approx(a, abs=1e-3) and float(cells[5]) == pytest.approx(b, abs=1e-3)
+    assert float(cells[4]) == pytest.approx(got["first"], abs=1e-3)
+    assert float(cells[5]) == pytest.approx(got["second"], abs=1e-3)
     assert cells[7] != "–"  # adjacent turns give an interval
 
 
