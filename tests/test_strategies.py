@@ -248,6 +248,22 @@ def test_pinned_gather_failed_gather_fails_the_run_in_one_line(tiny_cfg, runs, m
     assert not gather_threads()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pinned_gather_thread_that_cannot_select_its_device_fails_the_run(tiny_cfg, runs, monkeypatch,
+                                                                         gather_threads, device):
+    """A gather thread whose `torch.cuda.set_device` raises (here a device index that does not
+    exist, on any machine) reports it for the gathers it takes: one line, a FAILED run, every
+    thread stopped, nothing left waiting for it."""
+    missing = torch.cuda.device_count()
+    monkeypatch.setattr(PinnedGatherLoader, "_thread_device", lambda self: missing)
+    with pytest.raises(RunFailed, match=r"^a loader=pinned_gather gather thread failed: \w+Error: "):
+        run(tiny_cfg("loader=pinned_gather", "loader.batch_size=8", "loader.threads=3", f"engine.device={device}"))
+    (r,) = runs()
+    assert r.info.status == "FAILED" and "gather thread failed" in r.data.tags["error"]
+    assert r.data.metrics["total_steps"] == 0
+    assert not gather_threads()
+
+
 @pytest.mark.parametrize("key", ["threads", "depth"])
 def test_pinned_gather_rejects_no_threads_or_depth(tiny_cfg, key):
     cfg = tiny_cfg("loader=pinned_gather", f"loader.{key}=0")

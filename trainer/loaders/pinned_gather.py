@@ -108,13 +108,16 @@ class PinnedGatherLoader(DeviceLoader):
         np.take(self._src_y, rows, axis=0, out=self._dst_y[slot][:m], mode="clip")
         return m
 
+    def _thread_device(self) -> Optional[int]:
+        """The CUDA device the gather threads select (they wait on copy events); None on the CPU."""
+        if not self.on_cuda:
+            return None
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
+
     def _start_threads(self) -> None:
         if self.threads:
             return
-        # On CUDA the threads wait on copy events, so they use the loader's device.
-        index = None
-        if self.on_cuda:
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        index = self._thread_device()
         for k in range(self.cfg.threads):
             t = threading.Thread(target=_work, args=(self.todo, self.done, weakref.ref(self), index),
                                  name=f"{THREAD_PREFIX}_{k}", daemon=True)
@@ -150,11 +153,13 @@ class PinnedGatherLoader(DeviceLoader):
                 self.todo.get_nowait()
             except queue.Empty:
                 break
-        if self.threads and any(t.is_alive() for t in self.threads):
+        alive = sum(t.is_alive() for t in self.threads)
+        if alive:
             # A fence: every thread meets the loop's thread at a barrier once it has finished
             # what it took, so no gather is running after this, whichever ones had reported.
-            fence = threading.Barrier(len(self.threads) + 1)
-            for _ in self.threads:
+            # Only live threads are counted: one that has exited would never arrive.
+            fence = threading.Barrier(alive + 1)
+            for _ in range(alive):
                 self.todo.put(fence)
             try:
                 fence.wait()
@@ -241,8 +246,14 @@ class _Failed:
 def _work(todo: queue.SimpleQueue, done: list, loader_ref, device_index: Optional[int]) -> None:
     """A gather thread: take (slot, rows, event) from `todo`, gather, report on `done[slot]`;
     meet the loop's thread at a fence (`_drop_gathers`); exit on None or once the loader is gone."""
+    unusable = None
     if device_index is not None:
-        torch.cuda.set_device(device_index)
+        try:
+            torch.cuda.set_device(device_index)
+        except BaseException as e:
+            # Stay alive and report it for every gather taken: a thread that died here would leave
+            # the loop waiting for its gathers, and the fence waiting for it, for ever.
+            unusable = e
     while True:
         item = todo.get()  # blocks without the GIL
         if item is None:
@@ -258,7 +269,7 @@ def _work(todo: queue.SimpleQueue, done: list, loader_ref, device_index: Optiona
             return
         slot, rows, after = item
         try:
-            outcome = loader._gather(slot, rows, after)
+            outcome = _Failed(unusable) if unusable is not None else loader._gather(slot, rows, after)
         except BaseException as e:  # reported to the loop's thread, which fails the run
             outcome = _Failed(e)
         del loader
