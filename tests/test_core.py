@@ -320,7 +320,6 @@ def test_the_timed_region_ends_with_the_last_step_not_with_the_teardown():
     # come after the steps: a plain `for x, y in loader` loop does not time them, nor does the meter.
     import time
     import torch
-    from omegaconf import OmegaConf
     from trainer.loop.engine import train
     from trainer.loop.meter import StepMeter
 

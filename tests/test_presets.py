@@ -24,6 +24,7 @@ from datasets import build_dataset
 from trainer.config import PROJECT_ROOT
 from trainer.errors import ConfigError
 from trainer.loaders import build_loader
+from trainer.tools.plain_loop import annotate
 from trainer.validate import validate
 
 from clirun import run_cli
@@ -215,7 +216,6 @@ def _check_results_table(preset, client, children):
     numbers = lambda row: re.findall(r"\| [\d,.]+ ", row)  # noqa: E731
     assert all(numbers(row) for row in rows[1 if preset == "seed000_lightning" else 0:])
     if preset == "seed000_copy":  # its plain-loop rows fill in once `report --plain` has run the three plain loops
-        from trainer.tools.plain_loop import annotate
         annotate(client, children, log=lambda line: None)
         table = results.TABLES[preset](results.Sweep(client, preset))
         for run in children:
@@ -223,7 +223,6 @@ def _check_results_table(preset, client, children):
             step, plain = run.data.metrics["ms_per_step"] / 1e3, run.data.metrics["plain_ms_per_step"] / 1e3
             assert f"| `{strategy}`: step in the loop (s), engine / plain loop |  | {step:.3f} / {plain:.3f} |" in table
     if preset == "seed000_lightning":  # one plain loop is the reference for a strategy's row, in either loop
-        from trainer.tools.plain_loop import annotate
         theirs = next(r for r in children if r.data.tags["loop"] == "lightning" and r.data.tags["strategy"] == "pinned")
         assert "plain_ms_per_step" not in theirs.data.metrics
         annotate(client, [theirs], log=lambda line: None)

@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
 
 from trainer.tracking import report, sweep
 from trainer.errors import ConfigError
@@ -236,7 +237,6 @@ def test_report_shows_the_pinned_ceiling_beside_the_copy_bandwidth_when_a_job_lo
 def test_a_swept_key_given_on_the_command_line_replaces_the_presets_sweep_of_it():
     # As Hydra's basic sweeper runs it: the preset sweeps loader and batch size; the command line
     # narrows loader to one value and batch size to two. The parent is named after what ran.
-    from omegaconf import OmegaConf
     config = OmegaConf.create({"hydra": {
         "sweeper": {"params": {"loader": "baseline,pinned_chunk", "loader.batch_size": "1,4,16,64"}},
         "overrides": {"task": ["experiment=limits", "loader=pinned_chunk", "loader.batch_size=1,4",
