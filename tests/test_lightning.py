@@ -369,6 +369,47 @@ def test_lightning_prefetch_hands_the_dataloader_batches_through_unchanged():
         lightning_prefetch(batches, depth=0)
 
 
+class _Loads(torch.utils.data.Dataset):
+    """Batch `i` is `(full(i), i)`; each load is noted in `log` as ("load", i)."""
+
+    def __init__(self, log: list, n: int):
+        self.log, self.n = log, n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        self.log.append(("load", i))
+        return torch.full((4, 64), float(i)), torch.full((4,), float(i))
+
+
+class _UnsizedLoads(torch.utils.data.IterableDataset):
+    def __init__(self, log: list, n: int):
+        self.loads = _Loads(log, n)
+
+    def __iter__(self):
+        return (self.loads[i] for i in range(self.loads.n))
+
+
+@pytest.mark.parametrize("sized", [True, False])
+def test_lightning_takes_prefetched_batches_one_step_at_a_time(sized):
+    """What the prefetcher's overlap rests on: Lightning takes a batch from it when that batch's
+    step is next (its fetcher reads ahead only for data without a length, and then by one batch),
+    so the copy of the following batch, queued before `next()` returns, runs beside the step."""
+    from trainer import lightning_prefetch
+    log: list = []  # ("load", i) from the dataset, (x, y) from training_step
+    data = (_Loads if sized else _UnsizedLoads)(log, 4)
+    _fit(_recording_module(log), datamodule=lightning_prefetch(torch.utils.data.DataLoader(data, batch_size=None)))
+    order = [e if isinstance(e[0], str) else ("step", int(e[0][0, 0])) for e in log]
+    # (on the CPU the prefetcher copies nothing, so it reads nothing ahead itself)
+    load, step = [("load", i) for i in range(4)], [("step", i) for i in range(4)]
+    if sized:
+        epoch = [e for pair in zip(load, step) for e in pair]
+    else:
+        epoch = load[:2] + [step[0], load[2], step[1], load[3], step[2], step[3]]
+    assert order == epoch * 2
+
+
 def test_feedbench_data_module_feeds_a_strategy_and_closes_it():
     from datasets import build_dataset
     from trainer import FeedbenchDataModule

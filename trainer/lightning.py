@@ -14,6 +14,15 @@ Both hand Lightning batches that are already on its device. Lightning still call
 and `move_data_to_device`), which calls `tensor.to(device, non_blocking=True)`; a tensor already on
 that device is returned as it is, so nothing is copied a second time.
 
+Lightning takes a batch from these when its step is next (its fetcher reads one batch ahead only
+for data without a length), and the copy of the batch after it is queued just before; nothing in
+Lightning's single-device loop waits for the GPU, so that copy runs beside the step's kernels.
+It pays off when a step's GPU work outlasts the host's work per batch (workers, pinned data): then
+the copy leaves the compute stream and each step is shorter by about one copy
+(`benchmarks/lightning_prefetch.py`). A loop bound by the host (a DataLoader collating big batches
+in the main thread) leaves the GPU idle between steps: no kernel for the copy to hide behind, and
+either way the loop runs at the host's pace.
+
 A single device: these do not shard the data across processes the way Lightning does for a
 DataLoader under DDP.
 """
@@ -59,7 +68,8 @@ class DevicePrefetcher(EpochPasses):
     of the step that uses them: feedbench's `prefetch` strategy around a DataLoader you already
     have. A batch may be a tensor, or tuples, lists and dicts of tensors. Give the DataLoader
     `pin_memory=True`: a copy from pageable memory makes the host wait and cannot overlap.
-    On a CPU device the batches pass through unchanged.
+    On a CPU device the batches pass through unchanged. Lightning reads a DataLoader without a
+    length one batch ahead itself: its copies then run `depth` + 1 batches ahead.
 
     Return one from your own LightningDataModule's `train_dataloader()` (with
     `self.trainer.strategy.root_device`), or let `lightning_prefetch` do that.
