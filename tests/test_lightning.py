@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -410,6 +411,15 @@ def test_lightning_takes_prefetched_batches_one_step_at_a_time(sized):
     assert order == epoch * 2
 
 
+def test_lightning_prefetch_benchmark_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run([sys.executable, str(PROJECT_ROOT / "benchmarks" / "lightning_prefetch.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip() == "error: benchmarks/lightning_prefetch.py needs a CUDA GPU (none found)"
+
+
 def test_feedbench_data_module_feeds_a_strategy_and_closes_it():
     from datasets import build_dataset
     from trainer import FeedbenchDataModule
@@ -465,6 +475,8 @@ def test_gpu_trace_side_stream_copies_overlap_and_lightning_does_not_copy_again(
     assert prefetch["trace_h2d_copies"] >= 2 * 5 and in_line["trace_h2d_copies"] >= 2 * 5  # x and y, 5 traced steps
     assert prefetch["trace_h2d_overlap_fraction"] > 0.5  # hidden behind the 20 ms steps (all but the first traced batch)
     assert in_line["trace_h2d_overlap_fraction"] < 0.1  # queued on the compute stream, in line with the steps
+    # The meter's CUDA events say the same over the timed steps, in either loop.
+    assert prefetch["hidden_h2d_fraction"] > 0.8 and in_line["hidden_h2d_fraction"] < 0.1
     r = next(r for r in runs() if r.data.tags["strategy"] == "prefetch")
     events = json.loads(Path(MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json")).read_text())["traceEvents"]
     # Device-ready batches: no second copy. The only device-to-device copies are the meter's: each
@@ -502,6 +514,24 @@ def test_gpu_lightning_prefetch_delivers_device_batches_without_a_second_copy():
     host = [x for x, _ in loader] * 2
     assert all(torch.equal(x.cpu(), h) for (x, _), h in zip(seen, host))
     assert trainer.global_step == 16
+
+
+@pytest.mark.gpu
+def test_gpu_lightning_prefetch_hides_its_copies_in_lightnings_loop():
+    """benchmarks/lightning_prefetch.py, shortened: 16 MiB pinned batches, a step with 5 ms of
+    device work. Lightning's own copy waits in line with the steps; fed by lightning_prefetch, the
+    copies run beside the kernels and each step is shorter by about one copy."""
+    proc = subprocess.run([sys.executable, str(PROJECT_ROOT / "benchmarks" / "lightning_prefetch.py"),
+                           "--steps", "60", "--warmup", "14", "--busy-ms", "5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = {r["variant"]: r for r in map(json.loads, [s for s in proc.stdout.splitlines() if s.startswith("{")])}
+    default, prefetch = got["lightning_default"], got["lightning_prefetch"]
+    assert len(default["ms_per_step"]) == len(prefetch["ms_per_step"]) == 2 and default["copy_ms"] > 0
+    assert default["trace_h2d_copies"] >= 10 and prefetch["trace_h2d_copies"] >= 10  # x and y of the traced steps
+    assert default["trace_h2d_overlap_fraction"] < 0.1
+    assert prefetch["trace_h2d_overlap_fraction"] > 0.7  # all but the first traced copy (after the profiler's sync)
+    assert default["median_ms_per_step"] - prefetch["median_ms_per_step"] > 0.5 * default["copy_ms"]
+    assert prefetch["vs_default"] > 1
 
 
 @pytest.mark.gpu
