@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from trainer.loop.faults import LossWatch
 from trainer.loop.meter import StepMeter
+from trainer.loop.steps import make_step
 
 
 def planned_steps(cfg, loader) -> int:
@@ -71,3 +72,13 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
         if hasattr(batches, "close"):  # stop this pass's DataLoader workers and copies now, even on error
             batches.close()
     return step
+
+
+class FeedbenchLoop:
+    """`engine.loop=feedbench`: the loop above, over the engine's own step (eager or CUDA-graphed)."""
+
+    Meter = StepMeter
+
+    def train(self, parts) -> int:
+        parts.step = make_step(parts.model, parts.optimizer, parts.graphed)
+        return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler)

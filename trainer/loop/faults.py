@@ -37,7 +37,8 @@ class StopSignals:
     Signal handlers can only be set from the main thread; elsewhere this does nothing.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, announce: bool = True) -> None:
+        self.announce = announce  # under torchrun only rank 0 says it (every rank gets the signal)
         self._previous: dict = {}
         self._armed = False
         self._pending: Optional[int] = None
@@ -80,7 +81,8 @@ class StopSignals:
         if self._pending is None:
             self._pending = signum
             # os.write, not print: a handler may run in the middle of another write to stderr.
-            os.write(2, b"feedbench: stopping once the run's records are written (signal again to stop at once)\n")
+            if self.announce:
+                os.write(2, b"feedbench: stopping once the run's records are written (signal again to stop at once)\n")
             return
         raise Interrupted(signum)
 

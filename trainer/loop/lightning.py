@@ -382,3 +382,13 @@ def _quiet_lightning(model_summary: bool):
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+class LightningLoop:
+    """`engine.loop=lightning`: the same parts, driven by Lightning's Trainer (`fit`)."""
+
+    Meter = LightningMeter
+
+    def train(self, parts) -> int:
+        return fit(parts.model, parts.optimizer, parts.loader, parts.meter, parts.cfg.engine, parts.checksum,
+                   parts.profiler, parts.tmp)

@@ -1,32 +1,69 @@
-"""`run(cfg)`: build the parts from their own config sections, train, and record the run."""
+"""`run(cfg)`: one experiment, read as a list: build the parts, train, record, close.
+
+    parts = build(cfg, ...)     # dataset, loader strategy, model, optimizer, meter: each from its own section
+    parts.loop.train(parts)     # the loop chosen once by `engine.loop`: ours, or Lightning's Trainer
+    record(parts, ...)          # what was measured: host-side rows kept whatever the device's state
+    (close)                     # the loader, then the MLflow run: FINISHED, FAILED or KILLED
+
+Failure handling wraps the list (`_opened`): stop signals, the MLflow run, the ranks' guard and
+one-line faults. Under torchrun this is one rank's part of the run (`trainer.loop.distributed`):
+rank 0 records it for all of them.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
 from datasets import build_dataset
 from models import build_model
-from trainer.loop.engine import planned_steps, train
-from trainer.tools.environment import describe
-from trainer.tools.heap import keep_freed
 from trainer.errors import ConfigError
-from trainer.loop.distributed import Ranks
-from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loaders import build_loader
+from trainer.loop.distributed import Ranks
+from trainer.loop.engine import planned_steps
+from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.meter import StepMeter
+from trainer.loop.steps import build_optimizer
+from trainer.loop.verify import Checksum
+from trainer.memory import check_model_fits
+from trainer.tools.environment import describe
+from trainer.tools.heap import steady_heap
 from trainer.tools.limits import h2d_bandwidth
 from trainer.tools.profiling import StepProfiler, copy_overlap
-from trainer.loop.steps import build_optimizer, make_step
 from trainer.tracking.runs import Tracker
 from trainer.tracking.store import check_tracking_uri
 from trainer.validate import check_against_dataset, validate
-from trainer.loop.verify import Checksum
-from trainer.memory import check_model_fits
+
+# The loops that can drive the steps, by `engine.loop`. Lightning is an optional extra: its module
+# is imported only when it is chosen.
+LOOPS = {"feedbench": "trainer.loop.engine:FeedbenchLoop", "lightning": "trainer.loop.lightning:LightningLoop"}
+
+
+@dataclass
+class Parts:
+    """Everything a loop needs to train, built from the config's own sections."""
+
+    cfg: object
+    device: torch.device
+    loader: object
+    model: torch.nn.Module
+    optimizer: Optional[torch.optim.Optimizer]
+    meter: StepMeter
+    loop: object
+    graphed: bool
+    checksum: Optional[Checksum]
+    profiler: StepProfiler
+    tmp: Path
+    mem_base: int = 0  # GPU memory allocated before the run (`gpu_memory_baseline`)
+    step: object = None  # the step the loop ran (its graph_replays / eager_steps), set by the loop
 
 
 def select_device(name: str) -> torch.device:
@@ -40,9 +77,15 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def run(cfg) -> dict:
-    """One experiment: returns the summary metrics (also logged to MLflow). Under torchrun, one
-    rank's part of it (`trainer.loop.distributed`): rank 0 records the run for all of them."""
+def loop_named(name: str):
+    """The loop class registered under `engine.loop=name`."""
+    module, cls = LOOPS[name].split(":")
+    return getattr(importlib.import_module(module), cls)
+
+
+def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
+    """One experiment: returns the summary metrics (also logged to MLflow). `on_timed_start`: what
+    to call where the timed region begins (a harness's pause, `trainer.tools.turns`)."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
         validate(cfg)
@@ -50,81 +93,120 @@ def run(cfg) -> dict:
         ranks.validate(cfg)
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
-    # Before anything is allocated for the run: whether batch buffers are reused or faulted in
-    # anew every step must not depend on what this process did before (trainer.tools.heap).
-    heap = ("true" if keep_freed() else "unavailable") if cfg.engine.steady_heap else "false"
-    mem_base = gpu_memory_baseline(device)
+    # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
+    with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
+        parts = build(cfg, device, ranks, tracker, on_timed_start)
+        error = None
+        try:
+            with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
+                parts.loop.train(parts)
+        except BaseException as e:  # recorded first, raised after (it closes the run FAILED or KILLED)
+            error = e
+        finally:
+            stop.hold()  # from the end of the loop on, a signal waits until the records are written
+            _close(parts.loader, error)
+        summary, error = record(parts, tracker, ranks, error)
+        if error is not None:
+            raise error
+    return summary
+
+
+@contextlib.contextmanager
+def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tuple]:
+    """The open run: stop signals, the MLflow run (rank 0), the ranks' guard and one-line faults."""
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
             "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
             "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", "steady_heap": heap,
             **ranks.tags()}
-    with StopSignals() as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, ranks.guard(), explain_faults(cfg):
+    with StopSignals(announce=ranks.is_main) as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, \
+            ranks.guard(), explain_faults(cfg):
         stop.arm()  # SIGINT/SIGTERM now stop the run (KILLED); while it opens or saves, they wait
         tracker.log_environment(describe(device))
-        with ranks.agree():
-            dataset = build_dataset(cfg.dataset)
-            check_against_dataset(cfg, dataset)
-            check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
-            loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
-        graphed = cfg.engine.cuda_graph and device.type == "cuda"
-        degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
-        tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
-        if degraded:
-            print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-        model = ranks.wrap(build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
-        optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
-        planned = planned_steps(cfg.engine, loader)
-        warn_untimed(planned, cfg.engine.warmup_steps)
-        lightning = cfg.engine.loop == "lightning"
-        if lightning:  # Lightning is an optional extra: imported only when asked for
-            from trainer.loop import lightning as lightning_loop
-        meter = (lightning_loop.LightningMeter if lightning else StepMeter)(
-            device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every)
-        meter.setup_s = loader.setup_s
-        loader.copy_probe = meter
-        checksum = Checksum(device) if cfg.engine.verify else None
-        tmp = Path(tempfile.mkdtemp(prefix="feedbench-"))
-        profiler = StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps)
-        completed = False
-        try:
-            with loader, ranks.uneven(model, loader.batches_per_rank(), cfg.engine):
-                if lightning:  # the same parts, driven by Lightning's Trainer
-                    lightning_loop.fit(model, optimizer, loader, meter, cfg.engine, checksum, profiler, tmp)
-                else:
-                    train(make_step(model, optimizer, graphed), loader, meter, cfg.engine, checksum, profiler)
-            completed = True
-        finally:
-            # Whatever happened, what was measured is recorded before the run is closed.
-            stop.hold()
-            trace = profiler.close()
-            result = meter.finish()
-            tracker.log_steps(result.rows)
-            summary = dict(result.summary, pinned_host_mb=loader.pinned_bytes / 2**20,
-                           peak_gpu_mem_mb=peak_gpu_mb(device, mem_base))
-            verified = checksum.result() if checksum is not None else None
-            try:
-                if completed:  # after a failure: save, don't probe, and no collective with the other ranks
-                    summary.update(ranks.ceilings(lambda: ceilings(meter, device), meter.copy_bytes))
-                    summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
-            finally:
-                tracker.log_summary(summary)
-                if verified is not None:
-                    tracker.set_tags(verified)
-                if trace is not None:
-                    tracker.log_artifact(trace)
-                    overlap = copy_overlap(trace)  # did the copies run while kernels ran?
-                    tracker.log_summary(overlap)
-                    summary.update(overlap)
-    return summary
+        yield stop, tracker
 
 
-def warn_untimed(planned: int, warmup: int) -> None:
-    """A run whose warm-up covers all of its steps times nothing: say so (it records timed_steps=0)."""
-    if planned <= warmup:
-        print(f"warning: engine.warmup_steps={warmup} covers all {planned} steps of this run, so none is timed "
-              f"(timed_steps=0): set engine.max_steps above {warmup} or engine.warmup_steps below {planned}",
-              file=sys.stderr)
+def build(cfg, device: torch.device, ranks: Ranks, tracker, on_timed_start: Sequence[Callable] = ()) -> Parts:
+    """The parts, each from its own config section; checks that need the dataset come first."""
+    mem_base = gpu_memory_baseline(device)
+    with ranks.agree():
+        dataset = build_dataset(cfg.dataset)
+        check_against_dataset(cfg, dataset)
+        check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
+        loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
+    graphed = cfg.engine.cuda_graph and device.type == "cuda"
+    degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
+    tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
+    if degraded:
+        print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
+    model = ranks.wrap(build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
+    optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
+    planned = planned_steps(cfg.engine, loader)
+    warn_untimed(planned, cfg.engine.warmup_steps)
+    loop = loop_named(cfg.engine.loop)()
+    meter = loop.Meter(device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every)
+    meter.on_timed_start = list(on_timed_start)
+    meter.setup_s = loader.setup_s
+    loader.copy_probe = meter
+    tmp = Path(tempfile.mkdtemp(prefix="feedbench-"))
+    return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
+                 graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
+                 profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
+                 mem_base=mem_base)
+
+
+def _close(loader, error: Optional[BaseException]) -> None:
+    """Close the loader (its workers, threads and page-locked buffers). A failure to close is
+    raised only when the run had none of its own: the run's own error is what the user sees."""
+    try:
+        loader.close()
+    except Exception as e:
+        if error is None:
+            raise
+        print(f"warning: closing loader={loader.cfg.name} also failed: {' '.join(str(e).split())}", file=sys.stderr)
+
+
+def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) -> tuple:
+    """Log what was measured, in the order that keeps the most; returns the summary and the error
+    that ends the run (None: it finished). The meter's host-side rows never depend on the device:
+    when reading the device fails (a sticky CUDA error), they are saved without the GPU columns,
+    and the run's own error, if it had one, stays the one raised."""
+    meter = parts.meter
+    try:
+        result = meter.finish()  # reads the CUDA events: one sync, after the loop
+    except Exception as e:
+        if error is None:
+            error = e
+        result = meter.host_result()
+        print(f"warning: the GPU timings could not be read ({' '.join(str(e).split())[:200]}): "
+              f"steps.csv holds the host's columns only", file=sys.stderr)
+    tracker.log_steps(result.rows)
+    summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20,
+                   **_step_counts(parts.step), **_peak_gpu_memory(parts))
+    verified = parts.checksum.result() if parts.checksum is not None and error is None else None
+    try:
+        if error is None:  # after a failure: save, don't probe, and no collective with the other ranks
+            summary.update(ranks.ceilings(lambda: ceilings(meter, parts.device), meter.batch_bytes))
+            summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
+    finally:
+        tracker.log_summary(summary)
+        if verified is not None:
+            tracker.set_tags(verified)
+        trace = _closed_trace(parts.profiler, error)
+        if trace is not None:
+            tracker.log_artifact(trace)
+            overlap = copy_overlap(trace)  # did the copies run while kernels ran?
+            tracker.log_summary(overlap)
+            summary.update(overlap)
+    return summary, error
+
+
+def _step_counts(step) -> dict:
+    """How many steps replayed a CUDA graph and how many ran eagerly (a graphed run's batch of
+    another shape runs eagerly: said, not hidden)."""
+    if step is None:
+        return {}
+    return {"graph_replays": getattr(step, "graph_replays", 0), "eager_steps": getattr(step, "eager_steps", 0)}
 
 
 def gpu_memory_baseline(device: torch.device) -> int:
@@ -138,16 +220,38 @@ def gpu_memory_baseline(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def peak_gpu_mb(device: torch.device, base: int) -> float:
-    return (torch.cuda.max_memory_allocated(device) - base) / 2**20 if device.type == "cuda" else 0.0
+def _peak_gpu_memory(parts: Parts) -> dict:
+    """This run's peak GPU memory (the allocator's statistics: no device work)."""
+    if parts.device.type != "cuda":
+        return {"peak_gpu_mem_mb": 0.0}
+    try:
+        return {"peak_gpu_mem_mb": (torch.cuda.max_memory_allocated(parts.device) - parts.mem_base) / 2**20}
+    except Exception:  # a broken device: the figure is missing, the rest is saved
+        return {}
+
+
+def _closed_trace(profiler: StepProfiler, error: Optional[BaseException]) -> Optional[Path]:
+    try:
+        return profiler.close()
+    except Exception:
+        if error is None:
+            raise
+        return None
+
+
+def warn_untimed(planned: int, warmup: int) -> None:
+    """A run whose warm-up covers all of its steps times nothing: say so (it records timed_steps=0)."""
+    if planned <= warmup:
+        print(f"warning: engine.warmup_steps={warmup} covers all {planned} steps of this run, so none is timed "
+              f"(timed_steps=0): set engine.max_steps above {warmup} or engine.warmup_steps below {planned}",
+              file=sys.stderr)
 
 
 def ceilings(meter: StepMeter, device: torch.device) -> dict:
-    """After the loop: this machine's pinned and pageable copy bandwidth for the run's batch size,
+    """After the loop: this machine's pinned and pageable copy bandwidth for the run's full batch,
     so `h2d_GBps` can be read against what the link can do."""
-    if device.type != "cuda" or not meter.copy_bytes:
+    if device.type != "cuda" or not meter.batch_bytes:
         return {}
-    nbytes = meter.copy_bytes
+    nbytes = meter.batch_bytes
     return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
             "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}
-

@@ -1,0 +1,155 @@
+"""A run's lifecycle: build, train, record, close, and what it leaves behind in the process."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from trainer.errors import Interrupted, RunFailed
+from trainer.loop import run as run_module
+from trainer.loop.faults import StopSignals
+from trainer.loop.meter import StepMeter
+from trainer.loop.run import LOOPS, loop_named, run
+
+
+def _steps_csv(tracking_uri: str, run_id: str) -> list:
+    path = MlflowClient(tracking_uri).download_artifacts(run_id, "steps.csv")
+    return list(csv.DictReader(io.StringIO(Path(path).read_text())))
+
+
+def test_every_loop_is_registered_with_its_meter():
+    assert set(LOOPS) == {"feedbench", "lightning"}
+    for name in LOOPS:
+        loop = loop_named(name)
+        assert issubclass(loop.Meter, StepMeter) and callable(loop.train)
+
+
+# -- the heap setting is the run's own -----------------------------------------------------------
+# After a run with engine.steady_heap=true, a 20 MiB malloc must be mmapped again (glibc's default
+# threshold), as in a process that never ran one: mallinfo2's hblkhd (bytes in mmapped blocks) grows.
+_HEAP_AFTER_RUN = """
+import ctypes, sys
+from hydra import compose, initialize_config_dir
+from trainer.config import CONF_DIR
+from trainer.loop.run import run
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype, libc.malloc.restype = Mallinfo2, ctypes.c_void_p
+libc.malloc.argtypes, libc.free.argtypes = [ctypes.c_size_t], [ctypes.c_void_p]
+
+def mmapped_by_malloc(nbytes):
+    before = libc.mallinfo2().hblkhd
+    p = libc.malloc(nbytes)
+    grew = libc.mallinfo2().hblkhd - before
+    libc.free(p)
+    return grew >= nbytes
+
+with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    cfg = compose("config", overrides=sys.argv[2:] + [f"tracking.uri={sys.argv[1]}"])
+run(cfg)
+print(mmapped_by_malloc(20 << 20))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_steady_heap_is_undone_when_the_run_ends(tracking_uri):
+    from tests.conftest import TINY
+
+    proc = subprocess.run([sys.executable, "-c", _HEAP_AFTER_RUN, tracking_uri, *TINY, "engine.steady_heap=true"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split()[-1] == "True"  # glibc's default threshold again: a 20 MiB block is mmapped
+
+
+def test_steady_heap_holds_during_the_run(monkeypatch, tiny_cfg):
+    """Inside the run the thresholds are fixed (the tag says so), and the helper restores them."""
+    from trainer.tools import heap
+
+    calls = []
+    monkeypatch.setattr(heap, "_set_thresholds", lambda m, t: calls.append((m, t)) or True)
+    with heap.steady_heap(True) as tag:
+        assert tag == "true" and calls == [(heap.MMAP_THRESHOLD, heap.TRIM_THRESHOLD)]
+    assert calls[-1] == (heap.GLIBC_DEFAULT, heap.GLIBC_DEFAULT)
+    with heap.steady_heap(False) as tag:
+        assert tag == "false"
+    assert len(calls) == 2
+
+
+# -- records survive a device that cannot be read ------------------------------------------------
+def _device_cannot_be_read(self):
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_run_whose_device_cannot_be_read_keeps_its_host_rows_and_fails(monkeypatch, tiny_cfg, runs, tracking_uri):
+    monkeypatch.setattr(StepMeter, "finish", _device_cannot_be_read)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run(tiny_cfg("engine.max_steps=6", "engine.warmup_steps=1"))
+    (r,) = runs()
+    assert r.info.status == "FAILED"
+    rows = _steps_csv(tracking_uri, r.info.run_id)
+    assert [int(x["step"]) for x in rows] == list(range(1, 7))
+    assert all(float(x["data_wait_ms"]) >= 0 and float(x["step_ms"]) > 0 for x in rows)
+    assert r.data.metrics["timed_steps"] == 5
+
+
+def test_the_original_error_survives_a_device_that_cannot_be_read(monkeypatch, tiny_cfg, runs, tracking_uri):
+    """A NaN loss, then reading the device fails too: the user sees the NaN, and the steps are saved."""
+    monkeypatch.setattr(StepMeter, "finish", _device_cannot_be_read)
+    with pytest.raises(RunFailed, match=r"loss became (nan|inf)"):
+        run(tiny_cfg("model=mlp", "engine.optimizer.lr=1e10", "engine.optimizer.name=sgd", "engine.epochs=20"))
+    (r,) = runs()
+    assert r.info.status == "FAILED" and "loss became" in r.data.tags["error"]
+    assert len(_steps_csv(tracking_uri, r.info.run_id)) > 0
+
+
+# -- a signal while the loader closes -----------------------------------------------------------
+def test_a_signal_while_the_loader_closes_keeps_the_run_finished(monkeypatch, tiny_cfg, runs, tracking_uri):
+    """The loop has ended: a SIGINT while the loader's threads are joined waits until the records are
+    written; the run stays FINISHED with every step, and the interrupt is raised afterwards."""
+    from trainer.loaders.pinned_gather import PinnedGatherLoader
+
+    close = PinnedGatherLoader.close
+
+    def interrupted_close(self):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at once, in the middle of close()
+        close(self)
+
+    monkeypatch.setattr(PinnedGatherLoader, "close", interrupted_close)
+    with pytest.raises(Interrupted):
+        run(tiny_cfg("loader=pinned_gather", "engine.max_steps=8"))
+    (r,) = runs()
+    assert r.info.status == "FINISHED" and r.data.metrics["total_steps"] == 8
+    assert len(_steps_csv(tracking_uri, r.info.run_id)) == 8
+    assert not [t for t in threading.enumerate() if "gather" in t.name.lower()]
+
+
+def test_stop_signals_announce_only_where_asked(capfd):
+    """Under torchrun every rank gets the signal: only rank 0 says it is stopping."""
+    for announce, expected in ((False, ""), (True, "stopping once the run's records are written")):
+        with pytest.raises(Interrupted):
+            with StopSignals(announce=announce):  # held: the signal waits for the block's end
+                os.kill(os.getpid(), signal.SIGINT)
+        err = capfd.readouterr().err
+        assert (expected in err) if expected else err == ""
+
+
+def test_a_run_uses_the_loop_chosen_by_the_config(monkeypatch, tiny_cfg):
+    chosen = []
+    real = run_module.loop_named
+    monkeypatch.setattr(run_module, "loop_named", lambda name: chosen.append(name) or real(name))
+    run(tiny_cfg("engine.max_steps=3", "engine.warmup_steps=1"))
+    assert chosen == ["feedbench"]
