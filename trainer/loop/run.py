@@ -6,6 +6,7 @@ import gc
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -40,9 +41,10 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def run(cfg) -> dict:
+def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
     """One experiment: returns the summary metrics (also logged to MLflow). Under torchrun, one
-    rank's part of it (`trainer.loop.distributed`): rank 0 records the run for all of them."""
+    rank's part of it (`trainer.loop.distributed`): rank 0 records the run for all of them.
+    `on_timed_start`: a harness's functions to call where the timed region begins."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
         validate(cfg)
@@ -80,7 +82,10 @@ def run(cfg) -> dict:
         if lightning:  # Lightning is an optional extra: imported only when asked for
             from trainer.loop import lightning as lightning_loop
         meter = (lightning_loop.LightningMeter if lightning else StepMeter)(
-            device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every)
+            device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every,
+            # copies run `loader.depth` batches ahead, and one more under Lightning (its fetcher draws one ahead)
+            seed=cfg.engine.seed, copies_ahead=cfg.loader.get("depth", 0) + 1,
+            on_timed_start=on_timed_start)
         meter.setup_s = loader.setup_s
         loader.copy_probe = meter
         checksum = Checksum(device) if cfg.engine.verify else None
@@ -105,7 +110,7 @@ def run(cfg) -> dict:
             verified = checksum.result() if checksum is not None else None
             try:
                 if completed:  # after a failure: save, don't probe, and no collective with the other ranks
-                    summary.update(ranks.ceilings(lambda: ceilings(meter, device), meter.copy_bytes))
+                    summary.update(ranks.ceilings(lambda: ceilings(meter, device), meter.batch_bytes))
                     summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
             finally:
                 tracker.log_summary(summary)
@@ -145,9 +150,9 @@ def peak_gpu_mb(device: torch.device, base: int) -> float:
 def ceilings(meter: StepMeter, device: torch.device) -> dict:
     """After the loop: this machine's pinned and pageable copy bandwidth for the run's batch size,
     so `h2d_GBps` can be read against what the link can do."""
-    if device.type != "cuda" or not meter.copy_bytes:
+    if device.type != "cuda" or not meter.batch_bytes:
         return {}
-    nbytes = meter.copy_bytes
+    nbytes = meter.batch_bytes  # a full batch's, not the last copy's (an epoch's partial batch)
     return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
             "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}
 
