@@ -14,6 +14,7 @@ import torch
 
 from trainer.loop import run as run_module
 from trainer.loop.meter import StepMeter
+from trainer.loop.run import run
 from trainer.loop.sampler import TIMING_RUN, EventSampler, Schedule, pool_sizes
 from trainer.loop.summary import summarise
 
@@ -208,6 +209,14 @@ def test_gpu_the_host_result_needs_nothing_from_a_broken_device(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the timed region
+def test_zero_warm_up_times_every_step(tiny_cfg, runs, capsys):
+    summary = run(tiny_cfg("engine.warmup_steps=0"))
+    assert summary["timed_steps"] == summary["total_steps"] == 6 and summary["throughput_samples_per_s"] > 0
+    (r,) = runs()
+    assert r.data.metrics["timed_steps"] == 6
+    assert "warning" not in capsys.readouterr().err
+
+
 def test_timed_start_hooks_run_after_the_warm_up_outside_the_timed_wall():
     calls = []
     meter = StepMeter(CPU, 1, capacity=8, on_timed_start=[lambda: calls.append(meter.n), lambda: time.sleep(0.3)])

@@ -130,8 +130,8 @@ def _timed_pass(batches: Iterator, meter: LightningMeter, warmup_steps: int) -> 
     """One pass over `batches`, as Lightning's fetcher draws it: each `next()` timed as data wait."""
     try:
         while True:
-            if warmup_steps and meter.steps_started == warmup_steps and not meter.timing:
-                meter.start_timed()  # one sync, between the warm-up and the first timed step
+            if meter.steps_started == warmup_steps and not meter.timing:
+                meter.start_timed()  # one sync, after the warm-up (before the first step when there is none)
             meter.wait_begin()
             try:
                 batch = next(batches)  # data_wait: the host blocks here until the strategy has a batch
