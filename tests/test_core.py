@@ -186,24 +186,9 @@ def test_the_meter_keeps_no_step_tensor_alive():
     assert [row["step"] for row in result.rows] == [1, 2, 3, 4, 5] and result.summary["timed_steps"] == 4
 
 
-def test_the_meter_times_the_gpu_in_runs_of_steps_from_the_end_of_warm_up():
-    """`engine.gpu_timing_every=N`: CUDA events on every warm-up step, then on one run of
-    TIMING_RUN steps in every N (the first run of the timed region always); the host clock on all."""
-    import torch
-    from trainer.loop.meter import TIMING_RUN, StepMeter
-    meter = StepMeter(torch.device("cpu"), warmup_steps=5, capacity=300, gpu_timing_every=4)
-    timed = [i for i in range(300) if meter.gpu_timed(i)]
-    runs = [range(5 + k * 4 * TIMING_RUN, 5 + k * 4 * TIMING_RUN + TIMING_RUN) for k in range(3)]
-    assert timed == list(range(5)) + [i for r in runs for i in r if i < 300]
-    assert all(StepMeter(torch.device("cpu"), 5, 300, gpu_timing_every=1).gpu_timed(i) for i in range(300))
-    _steps(meter, range(300))  # on the CPU there are no events: every step is timed by the host clock
-    meter.start_timed()
-    assert all(r["compute_ms"] >= 0 and r["h2d_ms"] == 0.0 for r in meter.finish().rows)
-
-
 def test_gpu_summaries_are_taken_over_the_steps_timed_on_the_gpu():
     import math
-    from trainer.loop.meter import busy_fraction, median_of_timed
+    from trainer.loop.summary import busy_fraction, median_of_timed
     rows = [{"compute_ms": v} for v in (2.0, math.nan, 4.0, math.nan)]
     assert median_of_timed(rows, "compute_ms") == 3.0
     assert busy_fraction(rows, wall_ms=16.0) == pytest.approx(3.0 * 4 / 16.0)  # mean of the timed, for every step
@@ -237,7 +222,7 @@ def test_the_loss_log_holds_every_step_across_batches_blocks_and_early_reads():
     assert [r["loss"] for r in rows[-3:]] == [4997.0, 4998.0, 4999.0] and len(rows) == 5000
     # On the host every loss is copied at once: a held CPU tensor would keep a small block of the
     # heap alive across the next batches (hundreds of page faults a step for a pageable batch).
-    assert meter._held == [None] * m.LOSS_BATCH
+    assert meter.loss_log.held == [None] * m.LOSS_BATCH
 
 
 @pytest.mark.parametrize("bad_step", [1, 31, 32, 33, 70, 95])

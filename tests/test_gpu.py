@@ -49,16 +49,18 @@ def test_cuda_path_times_copy_and_compute(strategy, tiny_cfg, runs):
 @pytest.mark.parametrize("every", [1, 4])
 def test_cuda_events_time_the_steps_and_copies_of_the_sampled_runs(every, tiny_cfg, runs, tracking_uri):
     """`engine.gpu_timing_every`: compute and copy times on the warm-up steps and on one run of 32
-    steps in every N after it; nan (and no metric) elsewhere; the summaries from those."""
+    steps in each block of N after it (at the seeded places); nan (and no metric) elsewhere; the
+    summaries from those."""
     import math
     from clirun import steps_csv
-    from trainer.loop.meter import StepMeter
-    summary = run(gpu(tiny_cfg, "loader=pinned_chunk", "engine.warmup_steps=4", "engine.max_steps=204",
-                      f"engine.gpu_timing_every={every}"))
+    from trainer.loop.sampler import Schedule
+    cfg = gpu(tiny_cfg, "loader=pinned_chunk", "engine.warmup_steps=4", "engine.max_steps=204",
+              f"engine.gpu_timing_every={every}")
+    summary = run(cfg)
     (r,) = runs()
     rows = steps_csv(tracking_uri, r.info.run_id)
-    sampled = StepMeter(torch.device("cpu"), 4, 204, gpu_timing_every=every)
-    expect = [sampled.gpu_timed(i) for i in range(204)]
+    sampled = Schedule(4, every, seed=cfg.engine.seed)
+    expect = [sampled.timed(i) for i in range(204)]
     assert [not math.isnan(float(x["compute_ms"])) for x in rows] == expect
     assert [not math.isnan(float(x["h2d_ms"])) for x in rows] == expect  # pinned_chunk copies every batch
     assert all(float(x["compute_ms"]) > 0 for x, e in zip(rows, expect) if e)

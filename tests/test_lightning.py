@@ -139,6 +139,12 @@ def test_step_time_splits_into_wait_compute_and_lightning(tiny_cfg, runs, tracki
     assert summary["trace_h2d_copies"] == r.data.metrics["trace_h2d_copies"] == 0
 
 
+def test_zero_warm_up_times_every_lightning_step(tiny_cfg, runs):
+    summary = run(tiny_cfg("engine.loop=lightning", "engine.warmup_steps=0", "engine.epochs=2"))
+    assert summary["timed_steps"] == summary["total_steps"] == 12
+    assert summary["lightning_fraction"] >= 0 and runs()[0].data.metrics["timed_steps"] == 12
+
+
 def test_lightning_copies_only_what_a_strategy_leaves_to_it(tiny_cfg):
     from datasets import build_dataset
     from trainer.loaders import build_loader

@@ -18,6 +18,7 @@ from trainer.config import BASE_DIR, CONF_DIR, INSTALLED  # importing it registe
 from trainer.loop import distributed, faults
 from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
+from trainer.tools.turns import pause_if_asked
 
 
 NO_RUN = ("-h", "--help", "--hydra-help", "-i", "--info", "-c", "--cfg", "-sc", "--shell-completion")  # Hydra's: nothing is written
@@ -40,7 +41,7 @@ def one_line(err: BaseException) -> str:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg) -> None:
     try:
-        run(cfg)
+        run(cfg, on_timed_start=[pause_if_asked])  # under trainer.tools.turns: stop where the timed region begins
     except (ConfigError, RunFailed) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

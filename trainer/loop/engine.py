@@ -31,6 +31,8 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
     gc.collect()
     gc.freeze()
     try:
+        if warmup == 0:
+            meter.start_timed()  # no warm-up: every step is timed
         while step < total:
             meter.epoch = epoch
             batches = iter(loader)

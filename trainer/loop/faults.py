@@ -18,7 +18,7 @@ from typing import Iterator, Optional
 import torch
 
 from trainer.errors import Interrupted, RunFailed
-from trainer.loop.meter import LOSS_BATCH
+from trainer.loop.losslog import LOSS_BATCH
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 stopped_by: Optional[int] = None  # the signal that stopped this process, for exit hooks (a sweep's parent run)
@@ -113,6 +113,7 @@ class LossWatch:
             # the loop, so that the first check inside the timed steps costs what the others do.
             held = [torch.zeros((), device=meter.device)] * 2
             self._host.copy_(torch.isfinite(torch.stack(held)).all(), non_blocking=True)
+            self._event.record()  # PyTorch creates the CUDA event at its first record: here, not in the loop
             torch.cuda.synchronize(meter.device)
 
     def after_step(self, step: int) -> None:

@@ -49,7 +49,7 @@ from trainer.lightning import EpochPasses
 from trainer.loaders.stream import tensors
 from trainer.loop.faults import LossWatch
 from trainer.loop.engine import planned_steps
-from trainer.loop.meter import MeterResult, StepMeter, busy_fraction, median_of_timed
+from trainer.loop.meter import StepMeter
 
 
 class LightningMeter(StepMeter):
@@ -62,8 +62,8 @@ class LightningMeter(StepMeter):
     # after that (Lightning's copy), of the step's own code, of feedbench's bookkeeping
     WAIT, RECEIVED, COPY_S, STEP_S, BOOKS_S = range(5)
 
-    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096, gpu_timing_every: int = 1):
-        super().__init__(device, warmup_steps, capacity, gpu_timing_every)
+    def __init__(self, device: torch.device, warmup_steps: int, capacity: int = 4096, **options):
+        super().__init__(device, warmup_steps, capacity, **options)
         self.marks: List[list] = []  # one per started step
         self._mark: Optional[list] = None  # the current step's, from the start of its wait
         self._loop_end: Optional[float] = None
@@ -75,7 +75,7 @@ class LightningMeter(StepMeter):
     @property
     def timing(self) -> bool:
         """Whether the timed region has begun."""
-        return self._t0 is not None
+        return self.clock.t0 is not None
 
     def wait_begin(self) -> None:
         super().wait_begin()
@@ -105,11 +105,11 @@ class LightningMeter(StepMeter):
         if sync:
             self.end_timed()  # the timed steps' host side, without Lightning's teardown
 
-    def finish(self) -> MeterResult:
-        result = super().finish()
-        rows, summary = result.rows, result.summary
-        if not summary.get("timed_steps"):
-            return result  # warm-up covered every step: nothing is summarised
+    def _host_rows(self) -> List[dict]:
+        """The host columns by Lightning's marks: a step lasts from one `next()` on the strategy to
+        the next, its data wait ends when the batch is on the device, and `lightning_ms` is the rest
+        of it that was neither the step's own code nor feedbench's bookkeeping."""
+        rows = super()._host_rows()
         loop_end = self._loop_end or time.perf_counter()
         starts = [m[self.WAIT] for m in self.marks]
         if self._mark is not None and (not self.marks or self._mark is not self.marks[-1]):
@@ -123,36 +123,15 @@ class LightningMeter(StepMeter):
             if not self.cuda:
                 row["compute_ms"] = step_s * 1e3
             row["lightning_ms"] = max(0.0, row["step_ms"] - row["data_wait_ms"] - (step_s + books_s) * 1e3)
-        timed = rows[len(rows) - int(summary["timed_steps"]):]
-        # The timed region ended at `end_loop` or, for training that broke off, at `finish`.
-        summary.update(_resummarise(timed, summary["timed_wall_s"]))
-        return result
-
-
-def _resummarise(timed: List[dict], wall_s: float) -> dict:
-    """StepMeter's summaries that depend on the columns LightningMeter rewrites, by the same
-    definitions, plus those of `lightning_ms`."""
-    wall_ms = max(wall_s * 1e3, 1e-9)
-    total = lambda k: sum(r[k] for r in timed)  # noqa: E731
-    med = lambda k: median_of_timed(timed, k)  # noqa: E731
-    return {"throughput_samples_per_s": total("samples") / (wall_ms / 1e3),
-            "data_wait_fraction": total("data_wait_ms") / wall_ms,
-            "gpu_busy_fraction": busy_fraction(timed, wall_ms),
-            "lightning_fraction": total("lightning_ms") / wall_ms,
-            "timed_wall_s": wall_s,
-            "ms_per_step": wall_ms / max(len(timed), 1),
-            "median_step_ms": med("step_ms"),
-            "median_compute_ms": med("compute_ms"),
-            "median_data_wait_ms": med("data_wait_ms"),
-            "median_lightning_ms": med("lightning_ms")}
+        return rows
 
 
 def _timed_pass(batches: Iterator, meter: LightningMeter, warmup_steps: int) -> Iterator:
     """One pass over `batches`, as Lightning's fetcher draws it: each `next()` timed as data wait."""
     try:
         while True:
-            if warmup_steps and meter.steps_started == warmup_steps and not meter.timing:
-                meter.start_timed()  # one sync, between the warm-up and the first timed step
+            if meter.steps_started == warmup_steps and not meter.timing:
+                meter.start_timed()  # one sync, after the warm-up (before the first step when there is none)
             meter.wait_begin()
             try:
                 batch = next(batches)  # data_wait: the host blocks here until the strategy has a batch

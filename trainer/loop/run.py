@@ -144,8 +144,9 @@ def build(cfg, device: torch.device, ranks: Ranks, tracker, on_timed_start: Sequ
     planned = planned_steps(cfg.engine, loader)
     warn_untimed(planned, cfg.engine.warmup_steps)
     loop = loop_named(cfg.engine.loop)()
-    meter = loop.Meter(device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every)
-    meter.on_timed_start = list(on_timed_start)
+    meter = loop.Meter(device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every,
+                       # copies run `loader.depth` batches ahead, and one more under Lightning (its fetcher draws one ahead)
+                       seed=cfg.engine.seed, copies_ahead=cfg.loader.get("depth", 0) + 1, on_timed_start=on_timed_start)
     meter.setup_s = loader.setup_s
     loader.copy_probe = meter
     tmp = Path(tempfile.mkdtemp(prefix="feedbench-"))

@@ -38,7 +38,7 @@ from models import build_model
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import build_loader
 from trainer.loop.engine import planned_steps
-from trainer.loop.meter import host_usage  # the engine's own count of faults and CPU time
+from trainer.loop.clock import host_usage  # the engine's own count of faults and CPU time
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.tools.heap import keep_freed
 from trainer.tools.turns import pause_if_asked

@@ -1,0 +1,103 @@
+"""The summaries of a run: one pure function from the timed steps' rows to figures, for every loop.
+
+A row is one step, as in `steps.csv` (`trainer.loop.meter.STEP_COLUMNS`), plus the meter's
+private `_bytes` (bytes of the step's batch copy, when that copy was timed on the GPU) and `_busy`
+(`(start, end)` of the step's GPU work in ms on the meter's reference clock, or None when not
+timed). A GPU time that was not taken is nan: the GPU figures are taken over the steps that
+have one, so with `engine.gpu_timing_every=N` they are estimates from a sample of the steps.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+
+def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0.0,
+              copy_spans: Optional[Sequence[Tuple[float, float]]] = ()) -> Dict[str, float]:
+    """Figures over the timed steps `rows`, which took `wall_s` seconds and cost the process
+    `faults` minor page faults and `cpu_s` CPU seconds. `copy_spans`: `(start, end)` of each timed
+    copy on the reference clock of `_busy` (None: unknown, `hidden_h2d_fraction` is nan).
+    Rows with a `lightning_ms` column (the Lightning loop) add `lightning_fraction` and its median."""
+    wall_ms = max(wall_s * 1e3, 1e-9)
+    steps = max(len(rows), 1)
+    total = lambda k: sum(r[k] for r in rows)  # noqa: E731
+    med = lambda k: median_of_timed(rows, k)  # noqa: E731
+    summary = {
+        "throughput_samples_per_s": total("samples") / (wall_ms / 1e3),
+        "data_wait_fraction": total("data_wait_ms") / wall_ms,
+        "gpu_busy_fraction": busy_fraction(rows, wall_ms),
+        "h2d_GBps": h2d_rate(rows),
+        "hidden_h2d_fraction": math.nan if copy_spans is None else hidden_fraction(rows, copy_spans),
+        "host_page_faults_per_step": faults / steps,
+        "host_cpu_ms_per_step": cpu_s * 1e3 / steps,
+        "timed_wall_s": wall_s,
+        "timed_steps": len(rows),
+        "ms_per_step": wall_ms / steps,
+        "median_step_ms": med("step_ms"),
+        "median_compute_ms": med("compute_ms"),
+        "median_h2d_ms": med("h2d_ms"),
+        "median_data_wait_ms": med("data_wait_ms"),
+        "final_loss": rows[-1]["loss"] if rows else math.nan,
+    }
+    if rows and "lightning_ms" in rows[0]:
+        summary.update(lightning_fraction=total("lightning_ms") / wall_ms, median_lightning_ms=med("lightning_ms"))
+    return summary
+
+
+def median_of_timed(rows: List[dict], key: str) -> float:
+    """The median of `key` over the rows that have it (GPU times: the steps timed on the GPU)."""
+    values = [r[key] for r in rows if not math.isnan(r[key])]
+    return statistics.median(values) if values else (math.nan if rows else 0.0)
+
+
+def busy_fraction(rows: List[dict], wall_ms: float) -> float:
+    """Share of the wall time the GPU spent in steps: the mean `compute_ms` of the steps timed on
+    the GPU, for every step (all of them, when every step was timed)."""
+    values = [r["compute_ms"] for r in rows if not math.isnan(r["compute_ms"])]
+    if not values:
+        return math.nan if rows else 0.0
+    # Steps on one stream never overlap, so the share is at most 1; a sample of the steps can
+    # still put it a little above (a GPU-bound loop whose sampled runs were slower than the rest).
+    return min(1.0, statistics.fmean(values) * len(rows) / wall_ms)
+
+
+def h2d_rate(rows: List[dict]) -> float:
+    """GB/s of the timed copies; 0 when no step copied, nan when copies were made but none timed."""
+    timed = [r for r in rows if not math.isnan(r["h2d_ms"])]
+    ms = sum(r["h2d_ms"] for r in timed)
+    if ms > 0:
+        return sum(r["_bytes"] for r in timed) / (ms * 1e6)
+    return math.nan if len(timed) < len(rows) else 0.0
+
+
+def hidden_fraction(rows: List[dict], copy_spans: Sequence[Tuple[float, float]]) -> float:
+    """Share of copy time during which the compute stream was busy (from event timestamps), over
+    the copies made while timed steps ran: inside a run of steps timed on the GPU, from the first
+    step's start to the last one's end (copies outside a run ran beside steps nobody timed)."""
+    runs: List[list] = []  # [first start, last end] of each run of consecutive GPU-timed steps
+    last = None
+    for r in rows:
+        if r["_busy"] is None:
+            continue
+        if last is not None and r["step"] == last + 1:
+            runs[-1][1] = r["_busy"][1]
+        else:
+            runs.append([r["_busy"][0], r["_busy"][1]])
+        last = r["step"]
+    spans = [(a, b) for a, b in copy_spans if any(lo <= a and b <= hi for lo, hi in runs)]
+    if not spans:
+        return 0.0
+    busy = sorted(r["_busy"] for r in rows if r["_busy"] is not None)
+    total = hidden = 0.0
+    j = 0
+    for a, b in sorted(spans):
+        total += b - a
+        while j < len(busy) and busy[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(busy) and busy[k][0] < b:
+            hidden += max(0.0, min(b, busy[k][1]) - max(a, busy[k][0]))
+            k += 1
+    return hidden / total if total > 0 else 0.0
