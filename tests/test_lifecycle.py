@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from conftest import TINY
 from trainer.errors import Interrupted, RunFailed
 from trainer.loop import run as run_module
 from trainer.loop.faults import StopSignals
@@ -67,8 +68,6 @@ print(mmapped_by_malloc(20 << 20))
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
 def test_steady_heap_is_undone_when_the_run_ends(tracking_uri):
-    from tests.conftest import TINY
-
     proc = subprocess.run([sys.executable, "-c", _HEAP_AFTER_RUN, tracking_uri, *TINY, "engine.steady_heap=true"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -153,3 +152,58 @@ def test_a_run_uses_the_loop_chosen_by_the_config(monkeypatch, tiny_cfg):
     monkeypatch.setattr(run_module, "loop_named", lambda name: chosen.append(name) or real(name))
     run(tiny_cfg("engine.max_steps=3", "engine.warmup_steps=1"))
     assert chosen == ["feedbench"]
+
+
+# -- a run killed outright ----------------------------------------------------------------------
+def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_run(tmp_path, tracking_uri):
+    """SIGKILL runs no `finally`: the next run on the store closes the dead one as KILLED with the
+    steps its journal had on disk, within `engine.journal_s` of the kill."""
+    import time
+
+    from clirun import LONG, all_runs, command, run_cli, steps_csv
+
+    proc = subprocess.Popen(command(tmp_path, tracking_uri, *LONG, "engine.journal_s=0.5"), cwd=tmp_path,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    journal = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # until its journal holds some steps
+        running = [r for r in all_runs(tracking_uri) if r.info.status == "RUNNING"]
+        journal = Path(running[0].data.tags["journal"]) if running and "journal" in running[0].data.tags else None
+        if journal is not None and journal.is_file() and len(journal.read_text().splitlines()) > 20:
+            break
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait(timeout=30)
+    on_disk = len(journal.read_text().splitlines()) - 1
+    (dead,) = all_runs(tracking_uri)
+    assert dead.info.status == "RUNNING" and dead.data.tags["pid"] == str(proc.pid)
+
+    after = run_cli(tmp_path, tracking_uri, *TINY)
+    assert after.returncode == 0, after.stderr
+    assert f"run {dead.info.run_id} (pid {proc.pid}) ended without closing: marked KILLED" in after.stderr
+    client = MlflowClient(tracking_uri)
+    dead = client.get_run(dead.info.run_id)
+    assert dead.info.status == "KILLED" and dead.data.tags["recovered"] == "true"
+    rows = steps_csv(tracking_uri, dead.info.run_id)
+    assert len(rows) == on_disk > 20 and [int(r["step"]) for r in rows] == list(range(1, on_disk + 1))
+    assert dead.data.metrics["total_steps"] == on_disk and dead.data.metrics["timed_steps"] == on_disk - 2
+    assert dead.data.metrics["ms_per_step"] > 15  # model.busy_ms=20 on the host
+    assert [r.info.status for r in all_runs(tracking_uri)] == ["KILLED", "FINISHED"]
+
+
+def test_a_run_of_another_host_or_a_live_process_is_left_alone(tiny_cfg, tracking_uri):
+    from trainer.tracking.journal import is_dead_here, owner_tags, recover_dead_runs
+
+    mine = owner_tags()
+    assert not is_dead_here(mine)  # this process is alive
+    assert not is_dead_here({**mine, "host": "elsewhere", "pid": "999999999"})
+    assert is_dead_here({**mine, "pid": "999999999"})
+    assert is_dead_here({**mine, "pid_start": "1"})  # the pid now belongs to another process
+    client = MlflowClient(tracking_uri)
+    exp = client.create_experiment("e")
+    for tags in (mine, {**mine, "host": "elsewhere", "pid": "999999999"}):
+        client.create_run(exp, tags=tags)
+    assert recover_dead_runs(client) == []
+    assert {r.info.status for r in client.search_runs([exp])} == {"RUNNING"}
+

@@ -167,6 +167,13 @@ class StepMeter:
                     spans.append(span)
         return self._result(rows, spans)
 
+    def journal_rows(self, first: int) -> list:
+        """The host clock's columns of steps `first + 1 .. ended` (`trainer.tracking.journal`): read
+        from another thread, behind the loop, which writes only the rows of later steps."""
+        n, c = self.ended, self.clock
+        return [(i + 1, int(c.epoch[i]), int(c.samples[i]), float(c.wait_at[i]), float(c.start_at[i]),
+                 float(c.end_at[i])) for i in range(first, n)]
+
     def _host_rows(self) -> List[dict]:
         """One row per ended step from the host clock; GPU columns nan, and on CUDA the loss too."""
         n, c = self.ended, self.clock

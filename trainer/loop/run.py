@@ -38,6 +38,7 @@ from trainer.tools.environment import describe
 from trainer.tools.heap import steady_heap
 from trainer.tools.limits import h2d_bandwidth
 from trainer.tools.profiling import StepProfiler, copy_overlap
+from trainer.tracking.journal import JOURNAL, Journal, owner_tags, recover_dead_runs
 from trainer.tracking.runs import Tracker
 from trainer.tracking.store import check_tracking_uri
 from trainer.validate import check_against_dataset, validate
@@ -96,6 +97,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
     # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
     with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
         parts = build(cfg, device, ranks, tracker, on_timed_start)
+        journal = _journal(parts, tracker) if ranks.is_main else None
         error = None
         try:
             with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
@@ -104,8 +106,12 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
             error = e
         finally:
             stop.hold()  # from the end of the loop on, a signal waits until the records are written
+            if journal is not None:
+                journal.close()
             _close(parts.loader, error)
         summary, error = record(parts, tracker, ranks, error)
+        if journal is not None:
+            journal.path.unlink(missing_ok=True)  # the records are written: the journal was their fallback
         if error is not None:
             raise error
     return summary
@@ -118,9 +124,11 @@ def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tupl
             "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
             "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", "steady_heap": heap,
-            **ranks.tags()}
+            **ranks.tags(), **owner_tags()}
     with StopSignals(announce=ranks.is_main) as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, \
             ranks.guard(), explain_faults(cfg):
+        if ranks.is_main:  # runs of this store whose process died without closing them: KILLED, from their journals
+            recover_dead_runs(tracker.client)
         stop.arm()  # SIGINT/SIGTERM now stop the run (KILLED); while it opens or saves, they wait
         tracker.log_environment(describe(device))
         yield stop, tracker
@@ -154,6 +162,19 @@ def build(cfg, device: torch.device, ranks: Ranks, tracker, on_timed_start: Sequ
                  graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
                  profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
                  mem_base=mem_base)
+
+
+def _journal(parts: Parts, tracker) -> Optional[Journal]:
+    """The run's journal, in its artifact folder when that is a local one (else a temporary
+    folder), tagged so that `recover_dead_runs` finds it; None when `engine.journal_s=0`."""
+    every_s = parts.cfg.engine.journal_s
+    if every_s <= 0:
+        return None
+    uri = tracker.client.get_run(tracker.run_id).info.artifact_uri
+    folder = Path(uri[len("file://"):] if uri.startswith("file://") else uri if "://" not in uri else parts.tmp)
+    journal = Journal(folder / JOURNAL, parts.meter.journal_rows, every_s)
+    tracker.set_tags({"journal": str(journal.path)})
+    return journal
 
 
 def _close(loader, error: Optional[BaseException]) -> None:

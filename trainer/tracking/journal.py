@@ -26,8 +26,12 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from trainer.loop.meter import STEP_COLUMNS
+from trainer.loop.summary import summarise
+
 JOURNAL = "journal.csv"
-HOST_COLUMNS = ("step", "epoch", "samples", "data_wait_ms", "step_ms", "host_clock_s", "host_end_s")
+# Per step, as the meter's host clock has them: when its wait began, when the step began and ended.
+HOST_COLUMNS = ("step", "epoch", "samples", "wait_at", "start_at", "end_at")
 
 
 def process_start(pid: int) -> Optional[str]:
@@ -105,22 +109,24 @@ def read_journal(path: Path) -> List[Dict[str, float]]:
     return rows
 
 
-def journal_summary(rows: List[Dict[str, float]], warmup_steps: int) -> Dict[str, float]:
-    """The host-side summary of a journal: the timed steps (after the warm-up), their wall time
-    from the first timed step's start to the last one's end, and their medians."""
-    timed = [r for r in rows if r["step"] > warmup_steps]
-    out = {"total_steps": float(len(rows)), "total_samples": float(sum(r["samples"] for r in rows)),
-           "timed_steps": float(len(timed))}
-    if not timed:
-        return out
-    wall_s = max(timed[-1]["host_end_s"] - timed[0]["host_clock_s"], 1e-9)
-    waits = sorted(r["data_wait_ms"] for r in timed)
-    steps = sorted(r["step_ms"] for r in timed)
-    out.update(timed_wall_s=wall_s, ms_per_step=wall_s * 1e3 / len(timed),
-               throughput_samples_per_s=sum(r["samples"] for r in timed) / wall_s,
-               data_wait_fraction=sum(waits) / (wall_s * 1e3),
-               median_step_ms=steps[len(steps) // 2], median_data_wait_ms=waits[len(waits) // 2])
-    return out
+def journal_summary(rows: List[Dict[str, float]], warmup_steps: int) -> Tuple[List[dict], Dict[str, float]]:
+    """The journal as the meter's rows (GPU columns and losses nan: they were never read) and the
+    summary of its timed steps (after the warm-up), their wall time from the first one's wait
+    to the last one's end: `trainer.loop.summary.summarise`, as for a run that closed itself."""
+    out = [{"step": int(r["step"]), "epoch": int(r["epoch"]), "samples": int(r["samples"]),
+            "data_wait_ms": (r["start_at"] - r["wait_at"]) * 1e3, "h2d_ms": math.nan, "compute_ms": math.nan,
+            "step_ms": (r["end_at"] - r["wait_at"]) * 1e3, "loss": math.nan, "host_clock_s": r["wait_at"],
+            "_bytes": 0, "_busy": None} for r in rows]
+    summary = {"total_steps": float(len(out)), "total_samples": float(sum(r["samples"] for r in out)),
+               "timed_steps": 0.0}
+    timed = [r for r in out if r["step"] > warmup_steps]
+    if timed:
+        wall_s = rows[-1]["end_at"] - timed[0]["host_clock_s"]
+        figures = summarise(timed, wall_s, copy_spans=None)
+        for key in ("host_page_faults_per_step", "host_cpu_ms_per_step"):  # not journaled
+            figures.pop(key)
+        summary.update(figures)
+    return out, summary
 
 
 def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=None) -> List[str]:
@@ -140,32 +146,29 @@ def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=No
             continue  # another host's, a live one, or a run from before runs were tagged
         run_id = run.info.run_id
         path = Path(tags.get("journal", ""))
-        rows = read_journal(path) if path.is_file() else []  # a sweep's parent has none
+        journal = read_journal(path) if path.is_file() else []  # a sweep's parent has none
         # when it last wrote its journal: the closest known time to its death
         end_ms = int((path.stat().st_mtime if path.is_file() else time.time()) * 1000)
-        if rows:
-            warmup = int(float(run.data.params.get("engine.warmup_steps", "0")))
-            summary = journal_summary(rows, warmup)
+        if journal:
+            rows, summary = journal_summary(journal, int(float(run.data.params.get("engine.warmup_steps", "0"))))
             metrics = [Metric(k, v, end_ms, 0) for k, v in summary.items() if math.isfinite(v)]
-            metrics += [Metric(k, r[k], end_ms, int(r["step"])) for r in rows for k in ("data_wait_ms", "step_ms")]
-            for i in range(0, len(metrics), 1000):
+            metrics += [Metric(k, r[k], end_ms, r["step"]) for r in rows for k in ("data_wait_ms", "step_ms")]
+            for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
                 client.log_batch(run_id, metrics=metrics[i:i + 1000], synchronous=True)
-            client.log_artifact(run_id, str(_steps_csv(path)))
+            client.log_artifact(run_id, str(_steps_csv(path.parent / "steps.csv", rows)))
         client.set_tag(run_id, "recovered", "true")
         client.set_tag(run_id, "interrupted_by", "killed (process gone)")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED), end_time=end_ms)
         recovered.append(run_id)
         log(f"feedbench: run {run_id} (pid {tags['pid']}) ended without closing: marked KILLED with the "
-            f"{len(rows)} steps of its journal (tag recovered=true)")
+            f"{len(journal)} steps of its journal (tag recovered=true)")
     return recovered
 
 
-def _steps_csv(journal: Path) -> Path:
-    """The journal as `steps.csv`, beside it (the columns it has; GPU columns were not journaled)."""
-    out = journal.parent / "steps.csv"
-    rows = read_journal(journal)
+def _steps_csv(out: Path, rows: List[dict]) -> Path:
+    """Recovered rows as `steps.csv` (the meter's columns; the GPU's are empty: never read)."""
     with out.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(HOST_COLUMNS), extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=list(STEP_COLUMNS), extrasaction="ignore")
         w.writeheader()
-        w.writerows({**r, "step": int(r["step"]), "epoch": int(r["epoch"]), "samples": int(r["samples"])} for r in rows)
+        w.writerows(rows)
     return out
