@@ -86,13 +86,14 @@ def run(cfg) -> dict:
         checksum = Checksum(device) if cfg.engine.verify else None
         tmp = Path(tempfile.mkdtemp(prefix="feedbench-"))
         profiler = StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps)
+        step = None if lightning else make_step(model, optimizer, graphed)
         completed = False
         try:
             with loader, ranks.uneven(model, loader.batches_per_rank(), cfg.engine):
                 if lightning:  # the same parts, driven by Lightning's Trainer
                     lightning_loop.fit(model, optimizer, loader, meter, cfg.engine, checksum, profiler, tmp)
                 else:
-                    train(make_step(model, optimizer, graphed), loader, meter, cfg.engine, checksum, profiler)
+                    train(step, loader, meter, cfg.engine, checksum, profiler)
             completed = True
         finally:
             # Whatever happened, what was measured is recorded before the run is closed.
@@ -102,6 +103,8 @@ def run(cfg) -> dict:
             tracker.log_steps(result.rows)
             summary = dict(result.summary, pinned_host_mb=loader.pinned_bytes / 2**20,
                            peak_gpu_mem_mb=peak_gpu_mb(device, mem_base))
+            if step is not None:  # what ran: a graphed run's batches of another shape run eagerly
+                summary.update(graph_replays=step.graph_replays, eager_steps=step.eager_steps)
             verified = checksum.result() if checksum is not None else None
             try:
                 if completed:  # after a failure: save, don't probe, and no collective with the other ranks
