@@ -1,16 +1,27 @@
-"""The training step: the engine's eager step is the step a user writes, both steps count what
-they ran, and a graphed step's losses stay their steps' while the meter holds them."""
+"""The training step and its references: the engine's eager step is the step a user writes, both
+steps count what they ran, a graphed step's losses stay their steps' while the meter holds them,
+and the hand-written reference loop (`trainer.tools.plain_loop --step hand`, `trainer.overhead
+--reference hand`) takes the engine's steps and does the same math."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from clirun import check_turns_run
+from conftest import TINY, compose_config
+from trainer.config import PROJECT_ROOT
+from trainer.errors import ConfigError
 from trainer.loop.meter import LOSS_BATCH
 from trainer.loop.run import run
 from trainer.loop.steps import LOSS_SLOTS, EagerStep, GraphedStep, make_step
+from trainer.tools import plain_loop
 
 gpu = pytest.mark.gpu  # skipped without CUDA (conftest)
 
@@ -90,3 +101,73 @@ def test_the_graphed_step_counts_its_replays_and_trains_like_the_eager_one():
     logged.append(torch.stack(held))
     assert (graphed.graph_replays, graphed.eager_steps) == (71, 1)
     torch.testing.assert_close(torch.cat(logged), expected, rtol=1e-4, atol=1e-6)
+
+
+@gpu
+def test_a_graph_captured_by_hand_replays_only_whole_batches(tiny_cfg):
+    """100 samples in batches of 16: the 7th batch (4 samples) cannot replay a hand-captured graph."""
+    graphed = ["engine.device=cuda", "engine.cuda_graph=true", "engine.max_steps=20", "engine.warmup_steps=4",
+               "dataset.num_samples=100"]
+    with pytest.raises(ConfigError, match=r"step 7 has 4 samples.*set loader.drop_last=true"):
+        plain_loop.measure(tiny_cfg(*graphed), step="hand")
+    assert plain_loop.measure(tiny_cfg(*graphed, "loader.drop_last=true"), step="hand")["plain_timed_steps"] == 16
+
+
+# ------------------------------------------------------------------- the hand-written reference
+HAND = [*TINY, "engine.max_steps=20", "engine.warmup_steps=4"]
+
+
+def test_the_hand_reference_takes_the_engines_steps_and_prints_its_figures():
+    proc = subprocess.run([sys.executable, "-m", "trainer.tools.plain_loop", "--step", "hand", *HAND],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert figures["plain_timed_steps"] == 16 == plain_loop.measure(compose_config(*HAND))["plain_timed_steps"]
+    assert figures["plain_ms_per_step"] > 0 and figures["plain_host_cpu_ms_per_step"] > 0
+    assert figures["plain_host_page_faults_per_step"] >= 0
+
+
+def test_the_hand_reference_does_the_engine_steps_math(monkeypatch):
+    """Same seed, same batches: the hand-written loop's losses are the engine's eager step's, bit for bit."""
+    losses, build_model = [], plain_loop.build_model
+
+    def recording_model(*args):
+        model = build_model(*args)
+        forward = model.loss
+
+        def loss(x, y):
+            out = forward(x, y)
+            losses[-1].append(out.detach().clone())
+            return out
+        model.loss = loss
+        return model
+
+    monkeypatch.setattr(plain_loop, "build_model", recording_model)
+    got = {}
+    for step in ("engine", "hand"):
+        losses.append([])
+        plain_loop.measure(compose_config(*HAND, "loader.shuffle=true"), step=step)
+        got[step] = torch.stack(losses[-1])
+    assert len(got["hand"]) == len(got["engine"]) == 20
+    assert torch.equal(got["hand"], got["engine"]) and len(set(got["hand"].tolist())) > 1
+
+
+def test_the_hand_reference_needs_a_model_with_parameters():
+    with pytest.raises(ConfigError, match=r"model=noop.*--step engine"):
+        plain_loop.measure(compose_config(*HAND, "model=noop"), step="hand")
+
+
+def test_overhead_tool_takes_turns_with_the_hand_written_reference(tmp_path, capsys):
+    """`python -m trainer.overhead --reference hand`: the CLI against the loop a user writes, in
+    turns; the table names the reference."""
+    from trainer.overhead import main
+    table = tmp_path / "overhead.md"
+    main(["--reference", "hand", "--repeats", "1", "--turn-ms", "20", "--settle-ms", "2", "--markdown", str(table),
+          "engine.device=cpu", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
+          "engine.max_steps=3000", "engine.warmup_steps=10"])
+    out = capsys.readouterr().out
+    got, cells = check_turns_run(out, table, "`baseline`", max_steps=3000)
+    assert "reference=hand" in out and " hand " in [line for line in out.splitlines() if "repeat 1:" in line][0]
+    assert cells[1:4] == ["no", "turns", "hand-written step"]
+    assert float(cells[4]) == pytest.approx(got["first"], abs=1e-3)
+    assert float(cells[5]) == pytest.approx(got["second"], abs=1e-3)
