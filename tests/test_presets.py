@@ -110,6 +110,15 @@ def test_every_sweep_combination_composes_and_validates(preset):
     assert len(settings) == len(combos)  # no two combinations compose to the same job
 
 
+def test_benchmark_presets_take_whole_batches_only():
+    """A graphed job replays the graph at every step only if every batch has the captured shape:
+    the bench_* presets and every preset that sweeps a CUDA graph drop the last partial batch."""
+    for preset in PRESETS:
+        graphed = any("engine.cuda_graph=true" in combo for combo in sweep_combinations(preset))
+        if preset.startswith("bench_") or graphed:
+            assert compose_preset(f"experiment={preset}").loader.drop_last, preset
+
+
 def test_case_files_set_pinning_and_blocking_as_named():
     cases = {case: compose_preset("experiment=seed004", f"+experiment/seed_transfer={case}").loader
              for case in ("pageable", "pinned_blocking", "pinned_async")}
