@@ -215,7 +215,7 @@ def test_seed_preset_runs_every_combination_on_cpu(preset, data_root, preset_swe
 
 
 def _check_results_table(preset, client, children):
-    """docs/results.py draws the preset's table from this very sweep: a row per case, figures in each."""
+    """benchmarks/results.py draws the preset's table from this very sweep: a row per case, figures in each."""
     results = _results_module()
     rows = [line for line in results.TABLES[preset](results.Sweep(client, preset)).splitlines()[2:]]
     assert rows and all("None" not in row and "nan" not in row for row in rows)
@@ -358,7 +358,7 @@ def test_seed_iterable_needs_the_synthetic_chunks(data_root):
 # ----------------------------------------------------------------------------- docs/results.md
 def _results_module():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("results", PROJECT_ROOT / "docs" / "results.py")
+    spec = importlib.util.spec_from_file_location("results", PROJECT_ROOT / "benchmarks" / "results.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -381,7 +381,7 @@ def test_results_page_has_a_block_for_every_table_and_update_fills_only_those():
 
 
 def test_results_update_from_some_presets_keeps_the_others_environment_rows():
-    """`bash docs/run_results.sh seed003` refills seed003's table and row; the other presets keep theirs."""
+    """`bash benchmarks/run_results.sh seed003` refills seed003's table and row; the other presets keep theirs."""
     results = _results_module()
     head = "| preset | date |\n|---|---|"
     page = ("x\n<!-- results:environment -->\n" + head + "\n| `limits` | old |\n| `seed003` | old |\n| `seed004` | old |\n"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # What the engine adds: `python -m trainer` against a plain loop over the same loader, for every
 # strategy, eager and CUDA-graphed, on seed 000's workload.
-#   bash docs/overhead.sh              # about 20 minutes on one H100
-#   bash docs/overhead.sh --repeats 2  # extra arguments go to every python -m trainer.overhead
+#   bash benchmarks/overhead.sh              # about 20 minutes on one H100
+#   bash benchmarks/overhead.sh --repeats 2  # extra arguments go to every python -m trainer.overhead
 # Host-bound variants (every eager step; the DataLoader strategies and pinned_gather, graphed too)
 # take turns (--method turns, trainer.tools.turns); the two GPU-bound graphed variants run in pairs.
 # Writes the table to outputs/overhead.md (the "engine vs plain loop" table of docs/benchmark.md).
