@@ -171,3 +171,16 @@ def test_overhead_tool_takes_turns_with_the_hand_written_reference(tmp_path, cap
     assert cells[1:4] == ["no", "turns", "hand-written step"]
     assert float(cells[4]) == pytest.approx(got["first"], abs=1e-3)
     assert float(cells[5]) == pytest.approx(got["second"], abs=1e-3)
+
+
+@gpu
+def test_graph_floor_times_every_variant():
+    """benchmarks/graph_floor.py, shortened: one JSON line per variant, each read against its hand-written kind."""
+    proc = subprocess.run([sys.executable, "benchmarks/graph_floor.py", "--steps", "20", "--blocks", "2", "--warmup", "5"],
+                          capture_output=True, text=True, cwd=PROJECT_ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [r["variant"] for r in lines] == ["hand_graph", "graphed_step_before", "graphed_step", "graphed_step_events",
+                                            "eager_step", "hand_eager"]
+    assert all(r["median_ms_per_step"] > 0 and r["gpu"] == torch.cuda.get_device_name() for r in lines)
+    assert lines[0]["vs_hand_graph"] == 1.0 and lines[-1]["vs_hand_eager"] == 1.0
