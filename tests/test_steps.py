@@ -127,6 +127,12 @@ def test_the_hand_reference_takes_the_engines_steps_and_prints_its_figures():
     assert figures["plain_host_page_faults_per_step"] >= 0
 
 
+def test_without_warm_up_the_plain_loops_time_every_step():
+    for step in ("engine", "hand"):
+        assert plain_loop.measure(compose_config(*TINY, "engine.max_steps=5", "engine.warmup_steps=0"),
+                                  step=step)["plain_timed_steps"] == 5
+
+
 def test_the_hand_reference_does_the_engine_steps_math(monkeypatch):
     """Same seed, same batches: the hand-written loop's losses are the engine's eager step's, bit for bit."""
     losses, build_model = [], plain_loop.build_model

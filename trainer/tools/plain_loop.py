@@ -76,15 +76,19 @@ class _Clock:
         self.done, self.t0, self.usage0 = 0, None, None
         self.ends = np.zeros(total + 1)  # ends[k]: when step k ended, for `trainer.tools.turns`
 
+    def start_timed(self) -> None:
+        """Open the timed region: after the warm-up's steps, or before the first with no warm-up."""
+        _sync(self.device)
+        pause_if_asked()  # under `trainer.tools.turns`: wait here for the process it is compared with
+        self.t0, self.usage0 = time.perf_counter(), host_usage()
+        self.ends[self.done] = self.t0
+
     def tick(self) -> bool:
         """A step was issued; True when it was the last."""
         self.done += 1
         self.ends[self.done] = time.perf_counter()
         if self.done == self.warmup:
-            _sync(self.device)
-            pause_if_asked()  # under `trainer.tools.turns`: wait here for the process it is compared with
-            self.t0, self.usage0 = time.perf_counter(), host_usage()
-            self.ends[self.done] = self.t0
+            self.start_timed()
         return self.done == self.total
 
 
@@ -171,6 +175,8 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict
     total, warmup = planned_steps(cfg.engine, loader), cfg.engine.warmup_steps  # the engine's own length
     clock = _Clock(total, warmup, device)
     with loader:
+        if warmup == 0:
+            clock.start_timed()
         if step == "engine":
             engine_loop(loader, make_step(model, optimizer, graphed), clock)
         elif graphed:
