@@ -365,8 +365,8 @@ def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):
     assert engine > 0 and plain > 0 and ratio == pytest.approx(engine / plain, rel=1e-2)  # printed rounded
     (row,) = [line for line in table.read_text().splitlines() if line.startswith("| `pinned`")]
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[1:3] == ["no", "pairs"]
-    assert float(cells[3]) == pytest.approx(engine, abs=1e-3) and float(cells[4]) == pytest.approx(plain, abs=1e-3)
+    assert cells[1:4] == ["no", "pairs", "plain loop, engine's step"]
+    assert float(cells[4]) == pytest.approx(engine, abs=1e-3) and float(cells[5]) == pytest.approx(plain, abs=1e-3)
 
 
 def test_overhead_tool_in_turns_counts_each_side_inside_its_own_turns(tmp_path, capsys):
@@ -378,7 +378,7 @@ def test_overhead_tool_in_turns_counts_each_side_inside_its_own_turns(tmp_path, 
           "engine.device=cpu", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
           "engine.max_steps=4000", "engine.warmup_steps=10"])
     _, cells = check_turns_run(capsys.readouterr().out, table, "`baseline`", max_steps=4000)
-    assert cells[1:3] == ["no", "turns"] and cells[6] != "–"  # adjacent turns give an interval
+    assert cells[1:3] == ["no", "turns"] and cells[7] != "–"  # adjacent turns give an interval
 
 
 def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkeypatch):
@@ -392,7 +392,7 @@ def test_overhead_tool_alternates_its_repeats_and_takes_medians(tmp_path, monkey
         return {"ms_per_step": [2.0, 4.0, 3.0][started.count("engine") - 1], "host_page_faults_per_step": 1.0,
                 "host_cpu_ms_per_step": 1.0}
 
-    def plain_run(overrides, tmp):
+    def plain_run(overrides, tmp, reference):
         started.append("plain")
         return {"plain_ms_per_step": 1.0, "plain_host_page_faults_per_step": 0.0, "plain_host_cpu_ms_per_step": 0.5}
     monkeypatch.setattr(overhead, "engine_run", engine_run)

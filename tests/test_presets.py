@@ -110,6 +110,15 @@ def test_every_sweep_combination_composes_and_validates(preset):
     assert len(settings) == len(combos)  # no two combinations compose to the same job
 
 
+def test_benchmark_presets_take_whole_batches_only():
+    """A graphed job replays the graph at every step only if every batch has the captured shape:
+    the bench_* presets and every preset that sweeps a CUDA graph drop the last partial batch."""
+    for preset in PRESETS:
+        graphed = any("engine.cuda_graph=true" in combo for combo in sweep_combinations(preset))
+        if preset.startswith("bench_") or graphed:
+            assert compose_preset(f"experiment={preset}").loader.drop_last, preset
+
+
 def test_case_files_set_pinning_and_blocking_as_named():
     cases = {case: compose_preset("experiment=seed004", f"+experiment/seed_transfer={case}").loader
              for case in ("pageable", "pinned_blocking", "pinned_async")}
@@ -206,7 +215,7 @@ def test_seed_preset_runs_every_combination_on_cpu(preset, data_root, preset_swe
 
 
 def _check_results_table(preset, client, children):
-    """docs/results.py draws the preset's table from this very sweep: a row per case, figures in each."""
+    """benchmarks/results.py draws the preset's table from this very sweep: a row per case, figures in each."""
     results = _results_module()
     rows = [line for line in results.TABLES[preset](results.Sweep(client, preset)).splitlines()[2:]]
     assert rows and all("None" not in row and "nan" not in row for row in rows)
@@ -349,7 +358,7 @@ def test_seed_iterable_needs_the_synthetic_chunks(data_root):
 # ----------------------------------------------------------------------------- docs/results.md
 def _results_module():
     import importlib.util
-    spec = importlib.util.spec_from_file_location("results", PROJECT_ROOT / "docs" / "results.py")
+    spec = importlib.util.spec_from_file_location("results", PROJECT_ROOT / "benchmarks" / "results.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -372,7 +381,7 @@ def test_results_page_has_a_block_for_every_table_and_update_fills_only_those():
 
 
 def test_results_update_from_some_presets_keeps_the_others_environment_rows():
-    """`bash docs/run_results.sh seed003` refills seed003's table and row; the other presets keep theirs."""
+    """`bash benchmarks/run_results.sh seed003` refills seed003's table and row; the other presets keep theirs."""
     results = _results_module()
     head = "| preset | date |\n|---|---|"
     page = ("x\n<!-- results:environment -->\n" + head + "\n| `limits` | old |\n| `seed003` | old |\n| `seed004` | old |\n"

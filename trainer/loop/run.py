@@ -228,7 +228,7 @@ def _step_counts(step) -> dict:
     another shape runs eagerly: said, not hidden)."""
     if step is None:
         return {}
-    return {"graph_replays": getattr(step, "graph_replays", 0), "eager_steps": getattr(step, "eager_steps", 0)}
+    return {"graph_replays": step.graph_replays, "eager_steps": step.eager_steps}
 
 
 def gpu_memory_baseline(device: torch.device) -> int:

@@ -1,8 +1,18 @@
-"""The training step: eager, or captured once in a CUDA graph and replayed."""
+"""The training step: eager, as a plain PyTorch loop writes it, or captured once in a CUDA graph and replayed.
+
+Both kinds count what they ran, for the run's record: `graph_replays` (steps that replayed the
+graph) and `eager_steps` (steps that ran eagerly: every step of an `EagerStep`; in a
+`GraphedStep`, batches of another shape than the one it captured).
+"""
 
 from __future__ import annotations
 
 import torch
+
+# A graphed step's losses are written into a device ring this long, one slot per replay: a
+# returned loss stays its step's for this many replays, more than the meter holds one
+# (`trainer.loop.meter.LOSS_BATCH`, 32 steps).
+LOSS_SLOTS = 64
 
 
 def make_step(model, optimizer, graphed: bool):
@@ -11,16 +21,21 @@ def make_step(model, optimizer, graphed: bool):
 
 
 class EagerStep:
-    """zero_grad, forward+loss, backward, optimizer step – one kernel launch at a time."""
+    """zero_grad, forward+loss, backward, optimizer step: the four lines of a plain PyTorch loop."""
+
+    graph_replays = 0  # an eager step never replays a graph
 
     def __init__(self, model, optimizer):
         self.model, self.optimizer = model, optimizer
+        self.eager_steps = 0
 
     def __call__(self, x, y):
+        self.eager_steps += 1
         if self.optimizer is None:  # a model without parameters (noop): forward only
             return self.model.loss(x, y)
-        # Keep gradient tensors (set_to_none=False): a graph captured over them must find them.
-        self.optimizer.zero_grad(set_to_none=False)
+        # PyTorch's default (set_to_none=True): backward writes fresh gradients instead of zeroing
+        # the old ones and adding into them, which costs a kernel per parameter and its memory traffic.
+        self.optimizer.zero_grad()
         loss = self.model.loss(x, y)
         loss.backward()
         self.optimizer.step()
@@ -32,29 +47,49 @@ class GraphedStep:
 
     A small model is launch-bound: replaying one graph replaces hundreds of kernel launches from
     Python. Batches are copied (device to device, on the compute stream) into the graph's static
-    input buffers; a batch of another shape (a last partial batch) runs eagerly instead.
+    input buffers; a batch of another shape (a last partial batch) runs eagerly instead and is
+    counted in `eager_steps`. The graph is captured as PyTorch's CUDA-graph recipe does it, and
+    writes each step's loss into a slot of a small device ring (`LOSS_SLOTS`), so that per step
+    the host issues the input copies and the replay, and nothing else.
     """
 
     def __init__(self, model, optimizer, warmup_iters: int = 3):
         self.model, self.optimizer, self.warmup_iters = model, optimizer, warmup_iters
-        self.eager = EagerStep(model, optimizer)
+        self.eager = EagerStep(model, optimizer)  # the warm-up before capture, and batches of another shape
         self.graph = None
-        self.eager_steps = 0  # steps that could not replay (shape differed from the capture)
+        self.graph_replays = 0
+        self.eager_steps = 0
 
     def _capture(self, x, y):
+        device = x.device
         self.static_x, self.static_y = x.clone(), y.clone()
         initial = [p.detach().clone() for p in self.model.parameters()]
         # Warm up on a side stream (lazy init, cuBLAS workspaces, optimizer state), as capture requires.
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for _ in range(self.warmup_iters):
-                self.eager(self.static_x, self.static_y)
-        torch.cuda.current_stream(x.device).wait_stream(side)
+                loss = self.eager(self.static_x, self.static_y)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self._losses = torch.zeros(LOSS_SLOTS, dtype=loss.dtype, device=device)
+        self._slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next replay writes its loss
+        self._loss_views = self._losses.unbind()  # made once: a step hands one out, it makes no tensor
+        if self.optimizer is not None:
+            # No gradient at capture: backward then allocates each one in the graph's pool and every
+            # replay writes it afresh. A graph captured over kept gradients (set_to_none=False) would
+            # zero them and add into them at every replay: kernels and memory traffic per parameter.
+            self.optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: loader threads (DataLoader pinning, chunk loading) may touch CUDA meanwhile.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.static_loss = self.eager(self.static_x, self.static_y)
+            loss = self.model.loss(self.static_x, self.static_y)
+            if self.optimizer is not None:
+                loss.backward()
+                self.optimizer.step()
+            # The loss into its slot of the ring, inside the graph: the meter holds the returned
+            # slot for up to 32 steps, and the next replays write the next slots.
+            self._losses.index_copy_(0, self._slot, loss.detach().reshape(1))
+            self._slot.add_(1)
         # Undo the warm-up updates in place (the graph holds these addresses), so a graphed run
         # trains exactly like an eager one from the same initial weights.
         with torch.no_grad():
@@ -74,9 +109,12 @@ class GraphedStep:
             return self.eager(x, y)
         self.static_x.copy_(x)
         self.static_y.copy_(y)
+        slot = self.graph_replays % LOSS_SLOTS
+        if slot == 0:
+            self._slot.zero_()  # back to the ring's start: one tiny kernel every LOSS_SLOTS steps
         self.graph.replay()
-        # The next replay overwrites `static_loss`: return a copy, so the loss belongs to this step.
-        return self.static_loss.clone()
+        self.graph_replays += 1
+        return self._loss_views[slot]
 
 
 def build_optimizer(cfg, model, capturable: bool = False):

@@ -1,16 +1,21 @@
 """What the engine costs: `python -m trainer` against a plain loop over the same loader.
 
     python -m trainer.overhead [--repeats 3] [--loaders baseline,prefetch] [--graph eager|graphed|both]
-                               [--method auto|pairs|turns] [--turn-ms 100] [--markdown FILE]
-                               [hydra overrides...]
+                               [--reference plain|hand|both] [--method auto|pairs|turns] [--turn-ms 100]
+                               [--markdown FILE] [hydra overrides...]
 
 For every strategy (and eager and/or CUDA-graphed step) it compares, `--repeats` times, two fresh
 processes on the same composed config:
 
 - the CLI path, exactly as a user runs it: `python -m trainer <overrides>` (recorded in a
   throw-away MLflow store);
-- `python -m trainer.tools.plain_loop <overrides>`: `for x, y in loader: step(x, y)` in a plain
-  script, timed over the same steps the same way (a device sync at both ends of the timed region).
+- a reference (`--reference`), timed over the same steps the same way (a device sync at both
+  ends of the timed region), in a plain script (`trainer.tools.plain_loop`):
+  - `plain` (the default): the engine's own step, `for x, y in loader: step(x, y)`;
+  - `hand`: the step as a user writes it, `for x, y in loader: optimizer.zero_grad();
+    loss = model.loss(x, y); loss.backward(); optimizer.step()`, and under
+    `engine.cuda_graph=true` a graph captured by hand as PyTorch's docs show;
+  - `both`: each variant against each of them, one row per reference.
 
 Two ways to run them (`--method`):
 
@@ -26,7 +31,7 @@ Two ways to run them (`--method`):
   leaves queued at a switch can outlast the other's turn.
 - `auto` (the default): `turns` for an eager step, `pairs` for a CUDA-graphed one.
 
-It prints each repeat's ratio (engine ÷ plain: 1.00 means the engine adds nothing) and, per
+It prints each repeat's ratio (engine ÷ reference: 1.00 means the engine adds nothing) and, per
 variant, the medians and a 95% interval of the ratio (whether the measurements tell it apart
 from 1: over the pairs' ratios, or over adjacent turns' ratios), with the host's minor page
 faults and CPU time per step on each side. Any override works (`model=noop`,
@@ -53,6 +58,10 @@ from trainer.config import CONF_DIR
 from trainer.tools import turns as turns_
 
 GRAPH = {"eager": ["false"], "graphed": ["true"], "both": ["false", "true"]}
+REFERENCE = {"plain": ["plain"], "hand": ["hand"], "both": ["plain", "hand"]}
+# Each reference's name in the table, and the plain loop's `--step` that runs it.
+REFERENCE_NAME = {"plain": "plain loop, engine's step", "hand": "hand-written step"}
+REFERENCE_STEP = {"plain": "engine", "hand": "hand"}
 METHODS = ("auto", "pairs", "turns")
 QUICK = ["engine.progress=false"]
 
@@ -98,18 +107,23 @@ def engine_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
     return _latest_run(tmp)[1].data.metrics
 
 
-def plain_run(overrides: List[str], tmp: Path) -> Dict[str, float]:
-    proc = _run([sys.executable, "-m", "trainer.tools.plain_loop", *overrides], tmp)
+def _plain_cmd(overrides: List[str], reference: str) -> List[str]:
+    return [sys.executable, "-m", "trainer.tools.plain_loop", "--step", REFERENCE_STEP[reference], *overrides]
+
+
+def plain_run(overrides: List[str], tmp: Path, reference: str = "plain") -> Dict[str, float]:
+    """One run of the reference's plain loop; its figures."""
+    proc = _run(_plain_cmd(overrides, reference), tmp)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def turns_run(overrides: List[str], tmp: Path, first: str, turn_s: float, settle_s: float) -> Dict[str, float]:
-    """`python -m trainer` and the plain loop at once, taking turns (`trainer.tools.turns`);
+def turns_run(overrides: List[str], tmp: Path, first: str, turn_s: float, settle_s: float,
+              reference: str = "plain") -> Dict[str, float]:
+    """`python -m trainer` and the reference's plain loop at once, taking turns (`trainer.tools.turns`);
     `first`: the side whose turn comes first. Both sides' figures over the steps of their turns."""
     import numpy as np
     clock = tmp / "plain_clock.npy"
-    cmds = {"engine": _engine_cmd(overrides, tmp),
-            "plain": [sys.executable, "-m", "trainer.tools.plain_loop", *overrides, "--clock", str(clock)]}
+    cmds = {"engine": _engine_cmd(overrides, tmp), "plain": [*_plain_cmd(overrides, reference), "--clock", str(clock)]}
     order = [first, "plain" if first == "engine" else "engine"]
     logs = [tmp / f"{side}.log" for side in order]
     try:
@@ -144,8 +158,8 @@ def _steps_csv(client, run_id: str, tmp: Path) -> List[dict]:
             return list(csv.DictReader(f))
 
 
-def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[str, float]:
-    """`repeats` alternating engine/plain pairs for one variant; medians and per-pair ratios."""
+def measure(overrides: List[str], repeats: int, tmp: Path, log=print, reference: str = "plain") -> Dict[str, float]:
+    """`repeats` alternating engine/reference pairs for one variant; medians and per-pair ratios."""
     engine, plain = [], []
     for r in range(repeats):
         # Engine first in odd pairs, plain loop first in even ones (E P P E E P ...): a machine
@@ -156,39 +170,39 @@ def measure(overrides: List[str], repeats: int, tmp: Path, log=print) -> Dict[st
             if side == "engine":
                 engine.append(engine_run(overrides, tmp))
             else:
-                plain.append(plain_run(overrides, tmp))
+                plain.append(plain_run(overrides, tmp, reference))
             seconds[side] = time.perf_counter() - t0
         e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
-        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f} "
-            f"(processes: engine {seconds['engine']:.0f} s, plain {seconds['plain']:.0f} s)")
+        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, {reference} {p:.3f} ms/step, ratio {e / p:.3f} "
+            f"(processes: engine {seconds['engine']:.0f} s, {reference} {seconds['plain']:.0f} s)")
     ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
-    return _summary("pairs", engine, plain, ratios)
+    return _summary("pairs", reference, engine, plain, ratios)
 
 
 def measure_turns(overrides: List[str], repeats: int, tmp: Path, turn_s: float = 0.1, settle_s: float = 0.02,
-                  log=print) -> Dict[str, float]:
-    """`repeats` runs of the engine and the plain loop taking turns; the interval is over the
+                  log=print, reference: str = "plain") -> Dict[str, float]:
+    """`repeats` runs of the engine and the reference taking turns; the interval is over the
     ratios of adjacent turns, from every repeat."""
     engine, plain, pairs = [], [], []
     for r in range(repeats):
         t0 = time.perf_counter()
-        got = turns_run(overrides, tmp, "engine" if r % 2 == 0 else "plain", turn_s, settle_s)
+        got = turns_run(overrides, tmp, "engine" if r % 2 == 0 else "plain", turn_s, settle_s, reference)
         engine.append(got["engine"])
         plain.append(got["plain"])
         pairs += got["pair_ratios"]
         e, p = engine[-1]["ms_per_step"], plain[-1]["plain_ms_per_step"]
-        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, plain {p:.3f} ms/step, ratio {e / p:.3f} "
+        log(f"  repeat {r + 1}: engine {e:.3f} ms/step, {reference} {p:.3f} ms/step, ratio {e / p:.3f} "
             f"(turns of {turn_s * 1e3:.0f} ms: {got['turns']} counted, steps engine {got['counted']['engine']}, "
-            f"plain {got['counted']['plain']}; {time.perf_counter() - t0:.0f} s)")
+            f"{reference} {got['counted']['plain']}; {time.perf_counter() - t0:.0f} s)")
     ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, plain)]
-    return _summary("turns", engine, plain, ratios, pairs)
+    return _summary("turns", reference, engine, plain, ratios, pairs)
 
 
-def _summary(method: str, engine: List[dict], plain: List[dict], ratios: List[float],
+def _summary(method: str, reference: str, engine: List[dict], plain: List[dict], ratios: List[float],
              interval_from: Sequence[float] = ()) -> Dict[str, float]:
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
     low, high = ratio_interval(list(interval_from) or ratios)
-    return {"method": method, "engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),
+    return {"method": method, "reference": reference, "engine_ms": med(engine, "ms_per_step"), "plain_ms": med(plain, "plain_ms_per_step"),
             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "ratio_ci_low": low, "ratio_ci_high": high,
             "engine_spread": max(x["ms_per_step"] for x in engine) / min(x["ms_per_step"] for x in engine),
@@ -217,10 +231,12 @@ def ratio_interval(ratios: Sequence[float]) -> tuple:
 
 
 def table(rows: List[dict]) -> str:
-    head = ("| loader | CUDA graph | method | engine ms/step | plain loop ms/step | engine ÷ plain (min–max) | 95% interval "
-            "| engine max/min | page faults/step engine / plain | host CPU ms/step engine / plain |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    head = ("| loader | CUDA graph | method | reference | engine ms/step | reference ms/step "
+            "| engine ÷ reference (min–max) | 95% interval | engine max/min | page faults/step engine / reference "
+            "| host CPU ms/step engine / reference |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     lines = [f"| `{r['loader']}` | {'yes' if r['graph'] == 'true' else 'no'} | {r['method']} "
+             f"| {REFERENCE_NAME[r['reference']]} "
              f"| {r['engine_ms']:.3f} | {r['plain_ms']:.3f} "
              f"| {r['ratio']:.3f} ({r['ratio_min']:.2f}–{r['ratio_max']:.2f}) | {_interval(r)} | {r['engine_spread']:.2f} "
              f"| {r['engine_faults']:.0f} / {r['plain_faults']:.0f} | {r['engine_cpu_ms']:.2f} / {r['plain_cpu_ms']:.2f} |"
@@ -261,8 +277,10 @@ def resolve_method(method: str, graph: str) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_comparison_args(p, repeats=3, what="engine/plain pairs (or turn-taking runs) per variant")
+    add_comparison_args(p, repeats=3, what="engine/reference pairs (or turn-taking runs) per variant")
     p.add_argument("--loaders", default="", help="comma-separated strategies (default: the composed one)")
+    p.add_argument("--reference", choices=sorted(REFERENCE), default="plain",
+                   help="plain: the engine's step in a plain loop; hand: the step as a user writes it; both")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=noop engine.device=cpu")
     args = p.parse_args(argv)
     check_comparison_args(args)
@@ -273,13 +291,15 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory(prefix="feedbench-overhead-") as tmp:
         for loader in loaders:
             for graph in GRAPH[args.graph]:
-                overrides = [*base, f"loader={loader}", f"engine.cuda_graph={graph}"]
-                print(f"loader={loader} engine.cuda_graph={graph}", flush=True)
-                if resolve_method(args.method, graph) == "turns":
-                    got = measure_turns(overrides, args.repeats, Path(tmp), args.turn_ms / 1e3, args.settle_ms / 1e3)
-                else:
-                    got = measure(overrides, args.repeats, Path(tmp))
-                rows.append({"loader": loader, "graph": graph, **got})
+                for reference in REFERENCE[args.reference]:
+                    overrides = [*base, f"loader={loader}", f"engine.cuda_graph={graph}"]
+                    print(f"loader={loader} engine.cuda_graph={graph} reference={reference}", flush=True)
+                    if resolve_method(args.method, graph) == "turns":
+                        got = measure_turns(overrides, args.repeats, Path(tmp), args.turn_ms / 1e3,
+                                            args.settle_ms / 1e3, reference=reference)
+                    else:
+                        got = measure(overrides, args.repeats, Path(tmp), reference=reference)
+                    rows.append({"loader": loader, "graph": graph, **got})
     print(table(rows))
     if args.markdown:
         Path(args.markdown).write_text(table(rows) + "\n")

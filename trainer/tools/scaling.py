@@ -35,14 +35,14 @@ def latest_sweeps(client: MlflowClient, experiment: str) -> Dict[int, Run]:
     """world size -> the newest sweep (parent run) launched with it, in `experiment`."""
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
-        raise ConfigError(f"no experiment {experiment!r} in this store: run `bash docs/multi_gpu.sh` first or pass --experiment")
+        raise ConfigError(f"no experiment {experiment!r} in this store: run `bash benchmarks/multi_gpu.sh` first or pass --experiment")
     parents = client.search_runs([exp.experiment_id], filter_string="tags.sweep = 'true'",
                                  order_by=["attributes.start_time DESC"], max_results=1000)
     found: Dict[int, Run] = {}
     for p in parents:
         found.setdefault(int(p.data.tags.get("world_size", "1")), p)
     if not found:
-        raise ConfigError(f"no sweep in experiment {experiment!r}: run `bash docs/multi_gpu.sh` first")
+        raise ConfigError(f"no sweep in experiment {experiment!r}: run `bash benchmarks/multi_gpu.sh` first")
     return dict(sorted(found.items()))
 
 

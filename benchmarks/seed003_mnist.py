@@ -1,6 +1,6 @@
 """Seed 003's MNIST comparison in one process: epoch time of each way of feeding the MLP.
 
-    python docs/seed003_mnist.py [--workers N] [override ...]
+    python benchmarks/seed003_mnist.py [--workers N] [override ...]
 
 Each case is one ordinary run (`trainer.loop.run.run`) recorded in MLflow under the experiment
 `seed003_mnist`; the table is read back from those runs. A run trains 2 epochs with the whole

@@ -1,6 +1,6 @@
 """Tables of docs/results.md, read from the latest sweep of each seed preset in MLflow.
 
-    python docs/results.py [--uri URI] [--update docs/results.md] [--images docs/results]
+    python benchmarks/results.py [--uri URI] [--update docs/results.md] [--images docs/results]
 
 Prints one Markdown table per preset (and one of where each ran). `--update PAGE` writes each
 table into PAGE between its `<!-- results:NAME -->` and `<!-- /results:NAME -->` lines and leaves

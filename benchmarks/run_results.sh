@@ -3,8 +3,8 @@
 # each job (`trainer.report --plain`: the reference for the engine's figures and, in the Lightning
 # presets, for Lightning's loop too), then write their tables into docs/results.md and their
 # pictures into docs/results/.
-#   bash docs/run_results.sh                       # every preset: about 5 minutes on one H100 or H200, plus the two Lightning ones
-#   bash docs/run_results.sh limits seed000_copy   # some of them (the page takes each preset's latest sweep)
+#   bash benchmarks/run_results.sh                      # every preset: about 5 minutes on one H100 or H200, plus the two Lightning ones
+#   bash benchmarks/run_results.sh limits seed000_copy  # some of them (the page takes each preset's latest sweep)
 # MNIST and CIFAR-10 are read from data/ when torchvision's files are there. Otherwise files of the
 # real format and size, filled with random pixels, are generated once in outputs/generated-data:
 # the per-sample path (PIL image, ToTensor, Normalize) costs the same whatever the pixels are.
@@ -39,4 +39,4 @@ for preset in "${presets[@]}"; do
   python -m trainer.report --experiment "$preset" --plain >/dev/null
   echo "$preset: $((SECONDS - start)) s"
 done
-python docs/results.py --update docs/results.md --images docs/results
+python benchmarks/results.py --update docs/results.md --images docs/results

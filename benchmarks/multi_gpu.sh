@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The multi_gpu preset on 1, 2 and 4 GPUs of this host (those it has), one torchrun launch per GPU
 # count, then one scaling table of the latest launch of each:
-#   bash docs/multi_gpu.sh                 # GPU counts 1 2 4
-#   COUNTS="1 2" bash docs/multi_gpu.sh    # only these
+#   bash benchmarks/multi_gpu.sh               # GPU counts 1 2 4
+#   COUNTS="1 2" bash benchmarks/multi_gpu.sh  # only these
 # Extra arguments go to every launch (e.g. engine.max_steps=200).
 set -euo pipefail
 cd "$(dirname "$0")/.."
