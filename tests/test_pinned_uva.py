@@ -258,7 +258,9 @@ _INTERPRETED = textwrap.dedent("""
 
 def test_kernel_gathers_rows_bit_for_bit_under_the_interpreter():
     """Rows of 140, 15 and 128 bytes (int32, byte and int64 lanes), 1, 4 and 32 blocks."""
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
+        pytest.skip("the interpreter of Triton < 3.8 cannot loop from a program id (its compiler can)")
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
