@@ -129,6 +129,17 @@ class PinnedGatherConfig(LoaderConfig):
 
 
 @dataclass
+class PinnedUvaConfig(LoaderConfig):
+    """The dataset in page-locked memory; each batch's rows read by the GPU itself (one kernel per batch)."""
+
+    name: str = "pinned_uva"
+    depth: int = 2  # batches gathered ahead on the side stream (loader.depth + 2 device slots)
+    # Thread blocks of the gather kernel: each holds an SM while it waits on PCIe. 4 leave the SMs
+    # to a GPU-bound step (1% slower beside it on an H100); 16-32 for a transfer-bound run (model=noop).
+    ctas: int = 4
+
+
+@dataclass
 class GpuResidentConfig(LoaderConfig):
     name: str = "gpu_resident"
 
@@ -246,6 +257,7 @@ SCHEMAS = {
         "prefetch": PrefetchConfig,
         "pinned_chunk": PinnedChunkConfig,
         "pinned_gather": PinnedGatherConfig,
+        "pinned_uva": PinnedUvaConfig,
         "gpu_resident": GpuResidentConfig,
         "seed_iterable": SeedIterableConfig,
     },

@@ -18,6 +18,7 @@ from trainer.loaders.order import Shard
 from trainer.loaders.pinned import PinnedLoader
 from trainer.loaders.pinned_chunk import PinnedChunkLoader
 from trainer.loaders.pinned_gather import PinnedGatherLoader
+from trainer.loaders.pinned_uva import PinnedUvaLoader
 from trainer.loaders.prefetch import PrefetchLoader
 from trainer.loaders.seed_iterable import SeedIterableLoader
 
@@ -27,6 +28,7 @@ LOADERS = {
     "prefetch": PrefetchLoader,
     "pinned_chunk": PinnedChunkLoader,
     "pinned_gather": PinnedGatherLoader,
+    "pinned_uva": PinnedUvaLoader,
     "gpu_resident": GpuResidentLoader,
     "seed_iterable": SeedIterableLoader,
 }

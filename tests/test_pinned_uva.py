@@ -1,0 +1,365 @@
+"""`pinned_uva`: baseline's per-sample order, gathered by the GPU straight out of page-locked memory.
+
+On the CPU: the order (baseline's batches, every epoch, shards, drop_last, no shuffle), the
+checksums of a run, the config checks, the ring of device slots driven through stand-ins for the
+CUDA calls, and the kernel itself under Triton's interpreter. On a GPU (marked `gpu`): the kernel
+against `X[idx]`, and the loader against baseline with slow, jittered and graphed steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from datasets import build_dataset
+from trainer.errors import ConfigError
+from trainer.loaders import build_loader, pinned_uva
+from trainer.loaders.order import Shard, epoch_shard
+from trainer.loop.run import run
+from trainer.loop.verify import Checksum
+
+from conftest import TINY, compose_config
+
+
+def loaders(*overrides, seed=0, shard=Shard(), device="cpu"):
+    """(baseline on the CPU, pinned_uva on `device`) over the same data, seeded alike."""
+    made = []
+    for strategy, where in (("baseline", "cpu"), ("pinned_uva", device)):
+        cfg = compose_config(*TINY, f"loader={strategy}", *overrides)
+        made.append(build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device(where), seed=seed, shard=shard))
+    return made
+
+
+def assert_same_batches(base, uva, epochs: int = 3) -> int:
+    """Every epoch of `uva` equals `base`'s, batch for batch, bit for bit; returns the batches seen."""
+    seen = 0
+    for _ in range(epochs):
+        expected = list(base)
+        count = 0
+        for (xe, ye), (xu, yu) in zip(expected, uva):
+            assert xu.dtype == xe.dtype == torch.float32  # uint8 became model input after the gather
+            assert torch.equal(xu.cpu(), xe) and torch.equal(yu.cpu(), ye), count
+            count += 1
+        assert count == len(expected) == len(uva)
+        seen += count
+    return seen
+
+
+# -- the order, on the CPU (the degraded path) -------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 1, 7])
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+@pytest.mark.parametrize("shuffle,drop_last", [("true", "false"), ("true", "true"), ("false", "false")])
+def test_yields_baselines_batches_every_epoch(seed, dtype, shuffle, drop_last):
+    base, uva = loaders(f"dataset.dtype={dtype}", f"loader.shuffle={shuffle}", f"loader.drop_last={drop_last}",
+                        "loader.batch_size=20", "dataset.chunks=3", seed=seed)
+    with base, uva:
+        assert uva.degraded  # no CUDA here: the CPU path, tagged degraded by the run
+        assert assert_same_batches(base, uva) == 3 * (4 if drop_last == "true" else 5)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_each_rank_yields_baselines_share(world_size):
+    shares = []
+    for rank in range(world_size):
+        base, uva = loaders("loader.batch_size=7", seed=3, shard=Shard(rank, world_size))
+        with base, uva:
+            assert uva.batches_per_rank() == base.batches_per_rank()
+            assert_same_batches(base, uva, epochs=2)
+            shares += [x for x, _ in uva]  # epoch 2 of this rank
+    # the ranks together cover epoch 2 once: every sample exactly once
+    data = build_dataset(compose_config(*TINY).dataset).materialize()
+    rows = sorted(torch.cat(shares).flatten(1).tolist())
+    assert rows == sorted(data[epoch_shard(96, True, 3, 2, Shard())].flatten(1).tolist())
+
+
+def test_run_checksums_equal_baselines(tiny_cfg, runs):
+    """Through `run`: 2 epochs, shuffled, a partial last batch, data in 3 chunks."""
+    for strategy in ("baseline", "pinned_uva"):
+        run(tiny_cfg(f"loader={strategy}", "engine.verify=true", "engine.epochs=2", "dataset.chunks=3",
+                     "loader.batch_size=20"))
+    found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["epoch_checksums"],
+                                       r.data.tags["verified_batches"]) for r in runs()}
+    assert found["pinned_uva"] == found["baseline"] and found["baseline"][2] == "10", found
+    degraded = {r.data.tags["strategy"]: r.data.tags["degraded"] for r in runs()}
+    assert degraded == {"baseline": "false", "pinned_uva": "true"}
+
+
+@pytest.mark.parametrize("key", ["depth", "ctas"])
+def test_rejects_no_depth_or_ctas(key):
+    cfg = compose_config(*TINY, "loader=pinned_uva", f"loader.{key}=0")
+    with pytest.raises(ConfigError, match=rf"^loader\.{key} must be >= 1 \(got 0\): set loader\.{key}=\d+$"):
+        build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
+
+
+def test_an_iterator_never_read_leaves_the_epoch_alone():
+    """Lightning makes iterators it never reads: only a pass that yields a batch is an epoch."""
+    base, uva = loaders()
+    with base, uva:
+        iter(uva)
+        assert_same_batches(base, uva, epochs=1)
+
+
+def test_after_an_abandoned_pass_serves_the_next_epoch():
+    base, uva = loaders("loader.batch_size=8")
+    with base, uva:
+        for it in (iter(base), iter(uva)):
+            for _ in range(3):
+                next(it)
+            it.close()  # e.g. engine.max_steps reached mid-epoch
+        assert_same_batches(base, uva, epochs=1)
+
+
+# -- the ring of device slots, driven through stand-ins for the CUDA calls ----------------------------------
+class _Clock:
+    """Steps the consumer has 'queued' on the compute stream so far."""
+
+    def __init__(self):
+        self.stepped = 0
+
+
+class _Stream:
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Consumed(_Event):
+    """A slot's `consumed` event: recording it says the step on the slot's last batch is queued."""
+
+    def __init__(self, slot, clock, handed):
+        self.slot, self.clock, self.handed = slot, clock, handed
+
+    def record(self, stream=None):
+        last = self.handed.get(self.slot)
+        assert last is None or last < self.clock.stepped, (self.slot, last, self.clock.stepped)
+
+
+class _EagerGather:
+    """The kernel's stand-in: writes the rows at once, as a GPU that runs ahead of everything would."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def lanes(self, t):
+        return t
+
+    def __call__(self, idx, out, out_labels):
+        out[:len(idx)] = self.x[idx]
+        out_labels[:len(idx)] = self.y[idx]
+
+
+def _fake_device_loader(monkeypatch, *overrides, seed=0):
+    """pinned_uva's CUDA path on the CPU: streams and events are stand-ins, the kernel writes at once.
+    Returns (loader, clock, handed: slot -> the last batch number handed out of it)."""
+    cfg = compose_config(*TINY, "loader=pinned_uva", *overrides)
+    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"), seed=seed)
+    compute = _Stream()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _Stream())
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(pinned_uva, "check_gpu_fits", lambda *args: None)
+    monkeypatch.setattr(pinned_uva, "_kernel", lambda x, y, *args: (_EagerGather(x, y), None))
+    loader._setup_device(min(cfg.loader.batch_size, len(loader.x)))
+    loader._upload = lambda order: order
+    loader.on_cuda = True
+    clock, handed = _Clock(), {}
+    loader.consumed = [_Consumed(s, clock, handed) for s in range(loader.num_slots)]
+    return loader, clock, handed
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_ring_never_refills_a_slot_whose_step_is_not_queued(monkeypatch, depth, ahead):
+    """A consumer that asks for `ahead` batches before queuing the step on one (Lightning's fetcher:
+    1) reads every batch intact when its step runs, over epochs, an abandoned pass and a partial
+    last batch; no slot's `consumed` event is recorded before that step is queued."""
+    base, _ = loaders("loader.batch_size=12", seed=5)
+    loader, clock, handed = _fake_device_loader(monkeypatch, "loader.batch_size=12", f"loader.depth={depth}", seed=5)
+    assert loader.num_slots == depth + 2
+    slots = [x.data_ptr() for x, _ in loader.slots]
+    expected = []
+    for epoch in range(4):
+        batches = list(base)
+        expected += batches[:3] if epoch == 1 else batches
+    got, held = [], []
+
+    def step(batch, number):  # the step reads its batch: compare now, when the 'device' would run it
+        x, y = batch
+        got.append((x.clone(), y.clone()))
+        clock.stepped = number + 1
+
+    number = 0
+    for epoch in range(4):
+        it = iter(loader)
+        for i, batch in enumerate(it):
+            slot = loader.held[-1]
+            handed[slot] = number
+            assert batch[0].data_ptr() == slots[slot]  # a view of its slot, not a copy
+            held.append((batch, number))
+            if len(held) > ahead:
+                step(*held.pop(0))
+            number += 1
+            if epoch == 1 and i == 2:
+                break
+        if epoch == 1:
+            it.close()
+    for batch in held:
+        step(*batch)
+    assert len(got) == len(expected)
+    for (xg, yg), (xe, ye) in zip(got, expected):
+        assert torch.equal(xg, xe) and torch.equal(yg, ye)
+    assert [x.data_ptr() for x, _ in loader.slots] == slots  # 4 epochs through depth + 2 slots made once
+
+
+def test_ring_gathers_the_next_epoch_ahead(monkeypatch):
+    loader, _, _ = _fake_device_loader(monkeypatch, "loader.batch_size=16", "loader.depth=2")
+    batches = list(loader)
+    assert len(batches) == 6
+    # the last batch is handed out with the next epoch's first two already gathered
+    assert [p[:2] for p in loader.pending] == [(1, 0), (1, 1)]
+
+
+# -- the kernel under Triton's interpreter (CPU) ----------------------------------------------------------
+_INTERPRETED = textwrap.dedent("""
+    import torch
+    from trainer.loaders.uva_gather import RowGather
+    n = 29
+    for dtype, shape in [(torch.float32, (5, 7)), (torch.uint8, (3, 5)), (torch.float32, (4, 8))]:
+        x = (torch.rand(n, *shape) * 200).to(dtype)
+        y = torch.randint(0, 10, (n,))
+        for ctas in (1, 4, 32):
+            g = RowGather(x, y, ctas)
+            idx = torch.randperm(n)[:11]
+            out, out_y = torch.zeros(12, *shape, dtype=dtype), torch.zeros(12, dtype=torch.int64)
+            g(idx, g.lanes(out), out_y)
+            assert torch.equal(out[:11], x[idx]) and torch.equal(out_y[:11], y[idx]), (dtype, shape, ctas)
+            assert not out[11:].any() and not out_y[11:].any()
+            print(dtype, shape, ctas, g.dtype, "ok")
+""")
+
+
+def test_kernel_gathers_rows_bit_for_bit_under_the_interpreter():
+    """Rows of 140, 15 and 128 bytes (int32, byte and int64 lanes), 1, 4 and 32 blocks."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 8):
+        pytest.skip("the interpreter of Triton < 3.8 cannot loop from a program id (its compiler can)")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("ok") == 9
+    assert "torch.int32" in proc.stdout and "torch.uint8" in proc.stdout and "torch.int64" in proc.stdout
+
+
+# -- on a GPU ---------------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+
+
+def _gpu_cfg(tiny_cfg, *overrides):
+    return tiny_cfg("engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", *overrides)
+
+
+@gpu
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (256, 256)), (torch.float32, (5, 7)), (torch.uint8, (3, 5)),
+                                         (torch.uint8, (28, 28)), (torch.bfloat16, (3, 3))])
+@pytest.mark.parametrize("ctas", [1, 4, 32])
+def test_gpu_kernel_equals_index_select_from_pinned_memory(dtype, shape, ctas):
+    from trainer.loaders.uva_gather import RowGather
+    n = 301
+    x = torch.empty((n, *shape), dtype=dtype, pin_memory=True)
+    x.copy_((torch.rand(n, *shape) * 255).to(dtype))
+    y = torch.randint(0, 10, (n,))
+    gather = RowGather(x, y.cuda(), ctas)
+    for m in (64, 1, 37):
+        idx = torch.randperm(n)[:m]
+        out = torch.full((64, *shape), 7, dtype=dtype, device="cuda")
+        out_y = torch.full((64,), -1, dtype=torch.int64, device="cuda")
+        gather(idx.cuda(), gather.lanes(out), out_y)
+        assert torch.equal(out[:m].cpu(), x[idx]) and torch.equal(out_y[:m].cpu(), y[idx]), m
+        assert (out[m:] == 7).all() and (out_y[m:] == -1).all()  # nothing written past the batch
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_gpu_batches_equal_baselines_in_order(dtype):
+    base, uva = loaders(f"dataset.dtype={dtype}", "loader.batch_size=20", "dataset.chunks=3", seed=4, device="cuda")
+    with base, uva:
+        assert not uva.degraded and uva.gather is not None
+        assert assert_same_batches(base, uva) == 15
+
+
+@gpu
+@pytest.mark.parametrize("loop", ["feedbench", "lightning"])
+def test_gpu_a_slow_step_never_sees_its_slot_refilled(tiny_cfg, runs, loop):
+    """model.busy_ms: each step holds the GPU for 3 ms after the gathers ahead of it were queued;
+    Lightning's fetcher asks for the next batch before queuing the step."""
+    common = ("engine.verify=true", "engine.epochs=3", "loader.batch_size=24", "model=noop", "model.busy_ms=3")
+    run(_gpu_cfg(tiny_cfg, "loader=baseline", *common))
+    run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", "loader.depth=1", *common, f"engine.loop={loop}"))
+    found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["epoch_checksums"]) for r in runs()}
+    assert found["pinned_uva"] == found["baseline"], found
+
+
+@gpu
+def test_gpu_jittered_consumer_reads_every_batch_intact():
+    """3000 batches, a random device delay before each step reads its batch: hashes equal the CPU's."""
+    rng = random.Random(0)
+    hashes = {}
+    for device in ("cpu", "cuda"):
+        cfg = compose_config(*TINY, "loader=pinned_uva", "dataset.num_samples=2000", "dataset.shape=[32,32]",
+                             "loader.batch_size=16", "loader.depth=3")
+        loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device(device), seed=3)
+        ck, out = Checksum(loader.device), []
+        for _ in range(24):
+            for x, y in loader:
+                if device == "cuda":
+                    torch.cuda._sleep(int(rng.random() * 200_000))  # the 'step' reads x only after this
+                h = ck._sample_hashes(x, y)
+                out.append((h * torch.arange(1, len(h) + 1, device=h.device)).sum())
+        hashes[device] = torch.stack(out).cpu()
+        loader.close()
+    assert len(hashes["cuda"]) == 24 * 125
+    assert int((hashes["cuda"] != hashes["cpu"]).sum()) == 0
+
+
+@gpu
+def test_gpu_graphed_matches_baseline_and_trains_like_eager(tiny_cfg, runs):
+    """Shuffled, batches of 60 over 512 samples: the partial last batch (32) runs outside the graph."""
+    common = ("loader.batch_size=60", "engine.epochs=3", "engine.verify=true", "model.hidden=32")
+    run(_gpu_cfg(tiny_cfg, "loader=baseline", *common))
+    eager = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common))
+    graphed = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common, "engine.cuda_graph=true"))
+    assert graphed["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    assert graphed["total_steps"] == eager["total_steps"] == 3 * 9
+    assert eager["h2d_GBps"] > 0 and eager["pinned_host_mb"] > 0
+    found = [(r.data.tags["strategy"], r.data.tags["degraded"], r.data.tags["data_checksum"]) for r in runs()]
+    assert len({checksum for _, _, checksum in found}) == 1, found  # byte-identical batches, same order
+    assert {d for _, d, _ in found} == {"false"}
+
+
+@gpu
+def test_gpu_without_triton_gathers_on_the_host_and_is_tagged_degraded(tiny_cfg, runs, monkeypatch, capsys):
+    monkeypatch.setattr(pinned_uva, "_kernel", lambda *args: (None, "Triton is not available: test"))
+    common = ("engine.verify=true", "engine.epochs=2", "loader.batch_size=24", "model.busy_ms=1")
+    run(_gpu_cfg(tiny_cfg, "loader=baseline", *common))
+    run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common))
+    assert "loader=pinned_uva gathers on the host (Triton is not available: test)" in capsys.readouterr().err
+    found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["degraded"]) for r in runs()}
+    assert found["pinned_uva"] == (found["baseline"][0], "true"), found
