@@ -45,7 +45,7 @@ def run(cfg) -> dict:
     rank's part of it (`trainer.loop.distributed`): rank 0 records the run for all of them."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
-        validate(cfg)
+        job = validate(cfg)  # the typed sections each part is built from
         device = ranks.device(select_device(cfg.engine.device))  # this rank's GPU, current from here on
         ranks.validate(cfg)
         check_tracking_uri(cfg.tracking.uri)
@@ -63,16 +63,16 @@ def run(cfg) -> dict:
         stop.arm()  # SIGINT/SIGTERM now stop the run (KILLED); while it opens or saves, they wait
         tracker.log_environment(describe(device))
         with ranks.agree():
-            dataset = build_dataset(cfg.dataset)
-            check_against_dataset(cfg, dataset)
+            dataset = build_dataset(job.dataset)
+            check_against_dataset(job, dataset)
             check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
-            loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
+            loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
         graphed = cfg.engine.cuda_graph and device.type == "cuda"
         degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
         tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
         if degraded:
             print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-        model = ranks.wrap(build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
+        model = ranks.wrap(build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
         optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
         planned = planned_steps(cfg.engine, loader)
         warn_untimed(planned, cfg.engine.warmup_steps)
