@@ -20,7 +20,7 @@ from typing import List, Tuple
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-import trainer.config  # noqa: F401  (registers the config schemas)
+import trainer.components  # noqa: F401  (registers every dataset, loader and model option)
 from datasets import build_dataset
 from trainer.config import CONF_DIR
 from trainer.loop.run import run

@@ -1,4 +1,5 @@
-"""What every dataset offers the loader strategies.
+"""What every dataset offers the loader strategies, the config keys common to all of them, and
+the registry each dataset file adds its datasets to.
 
 Two paths to the same samples:
 - `per_sample()`: a map-style `torch.utils.data.Dataset` whose items are model-ready
@@ -11,9 +12,23 @@ Two paths to the same samples:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
+from omegaconf import MISSING
+
+from trainer.config import Registry
+
+DATASETS = Registry("dataset")  # `dataset=<name>`: every dataset of datasets/, registered by its own file
+
+
+@dataclass
+class DatasetConfig:
+    """Common to every dataset; a dataset's own `Config` extends it."""
+
+    name: str = MISSING  # the dataset (`dataset=synthetic`), set by its Config
+    seed: int = 0  # seeds data generation (synthetic) and fixed labels
 
 
 class FeedDataset:

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Iterator, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from datasets.base import FeedDataset, to_unit_float
+from datasets.base import DATASETS, DatasetConfig, FeedDataset, to_unit_float
 from trainer.errors import ConfigError
 from trainer.memory import check_host_fits
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "uint8": torch.uint8}
 
 
+@DATASETS.register
 class SyntheticDataset(FeedDataset):
     """`num_samples` random samples of `shape`, generated chunk by chunk from a seeded generator.
 
@@ -23,8 +25,56 @@ class SyntheticDataset(FeedDataset):
     time, a chunk at a time, or through the iterable view), so every strategy sees the same bytes.
     """
 
-    def __init__(self, cfg):
-        _validate(cfg)
+    @dataclass
+    class Config(DatasetConfig):
+        """Seed 000's random 'big chunk': `num_samples` samples, 'loaded from disk' one chunk at a time.
+
+        The chunking is set by `chunks` or by `chunk_samples`, not both: `chunk_samples=0` splits
+        `num_samples` into `chunks` loads; `chunk_samples=N` loads N samples at a time (and `chunks`
+        follows: leave it at 1). Seed 000 is `num_samples=2000 chunk_samples=1000 batches_per_chunk=4`.
+        """
+
+        name: str = "synthetic"
+        num_samples: int = 1000  # samples in the whole dataset (all chunks together)
+        shape: List[int] = field(default_factory=lambda: [256, 256])  # one sample's shape
+        dtype: str = "float32"  # storage dtype: float32 | float16 | bfloat16 | uint8 (model input is float32)
+        chunks: int = 1  # the data is 'loaded from disk' in this many chunks
+        chunk_samples: int = 0  # samples per chunk (0 = num_samples / chunks, rounded up)
+        batches_per_chunk: int = 0  # iterable view: random batches drawn per loaded chunk (0 = one pass)
+        load_ms: float = 0.0  # simulated disk-read time per chunk
+        num_classes: int = 10  # a fixed random label per sample (for the MLP)
+
+        def __post_init__(self):
+            """Fail before generating anything, naming the key and a value that works."""
+            if self.dtype not in _DTYPES:
+                raise ConfigError(f"dataset.dtype must be one of {sorted(_DTYPES)} (got {self.dtype!r}): set dataset.dtype=float32")
+            checks = [
+                (self.num_samples >= 1, f"dataset.num_samples must be >= 1 (got {self.num_samples}): set dataset.num_samples=1000"),
+                (self.chunks >= 1, f"dataset.chunks must be >= 1 (got {self.chunks}): set dataset.chunks=1"),
+                (self.chunk_samples >= 0, f"dataset.chunk_samples must be >= 0 (got {self.chunk_samples}): set dataset.chunk_samples=0 (num_samples / chunks)"),
+                (self.chunk_samples <= self.num_samples, f"dataset.chunk_samples={self.chunk_samples} is more than dataset.num_samples={self.num_samples}: set dataset.num_samples={self.chunk_samples}"),
+                (self.chunks <= self.num_samples, f"dataset.chunks={self.chunks} is more than dataset.num_samples={self.num_samples}: set dataset.chunks=1"),
+                (len(self.shape) >= 1 and all(s >= 1 for s in self.shape), f"dataset.shape must be sizes >= 1 (got {list(self.shape)}): set dataset.shape=[256,256]"),
+                # numpy (1.x) handles at most 32 dimensions, and a batch adds one.
+                (len(self.shape) <= 31, f"dataset.shape must have at most 31 sizes (got {len(self.shape)}): set dataset.shape=[256,256]"),
+                (self.batches_per_chunk >= 0, f"dataset.batches_per_chunk must be >= 0 (got {self.batches_per_chunk}): set dataset.batches_per_chunk=0 (one pass)"),
+                (self.load_ms >= 0, f"dataset.load_ms must be >= 0 (got {self.load_ms}): set dataset.load_ms=0"),
+                (self.num_classes >= 1, f"dataset.num_classes must be >= 1 (got {self.num_classes}): set dataset.num_classes=10"),
+            ]
+            for ok, message in checks:
+                if not ok:
+                    raise ConfigError(message)
+            n, size = self.num_samples, chunk_size(self)
+            made = math.ceil(n / size)
+            if not self.chunk_samples and made != self.chunks:  # e.g. 10 samples in 6 chunks: chunks of 2 make 5
+                raise ConfigError(f"dataset.num_samples={n} does not split into dataset.chunks={self.chunks} chunks "
+                                  f"(chunks of {size} make {made}): set dataset.chunks={made}")
+            if self.chunk_samples and self.chunks not in (1, made):
+                raise ConfigError(f"dataset.chunks={self.chunks} with dataset.chunk_samples={size} needs "
+                                  f"dataset.num_samples={self.chunks * size} (got {n}): set that, or leave "
+                                  f"dataset.chunks at 1 (it follows from num_samples / chunk_samples)")
+
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.sample_shape = tuple(int(s) for s in cfg.shape)
         self.storage_dtype = _DTYPES[cfg.dtype]
@@ -78,37 +128,6 @@ class SyntheticDataset(FeedDataset):
     def iterable(self, batch_size: int) -> "SeedIterable":
         """Seed 000's IterableDataset semantics (batches of random rows from each loaded chunk)."""
         return SeedIterable(self, batch_size)
-
-
-def _validate(cfg) -> None:
-    """Fail before generating anything, naming the key and a value that works."""
-    if cfg.dtype not in _DTYPES:
-        raise ConfigError(f"dataset.dtype must be one of {sorted(_DTYPES)} (got {cfg.dtype!r}): set dataset.dtype=float32")
-    checks = [
-        (cfg.num_samples >= 1, f"dataset.num_samples must be >= 1 (got {cfg.num_samples}): set dataset.num_samples=1000"),
-        (cfg.chunks >= 1, f"dataset.chunks must be >= 1 (got {cfg.chunks}): set dataset.chunks=1"),
-        (cfg.chunk_samples >= 0, f"dataset.chunk_samples must be >= 0 (got {cfg.chunk_samples}): set dataset.chunk_samples=0 (num_samples / chunks)"),
-        (cfg.chunk_samples <= cfg.num_samples, f"dataset.chunk_samples={cfg.chunk_samples} is more than dataset.num_samples={cfg.num_samples}: set dataset.num_samples={cfg.chunk_samples}"),
-        (cfg.chunks <= cfg.num_samples, f"dataset.chunks={cfg.chunks} is more than dataset.num_samples={cfg.num_samples}: set dataset.chunks=1"),
-        (len(cfg.shape) >= 1 and all(s >= 1 for s in cfg.shape), f"dataset.shape must be sizes >= 1 (got {list(cfg.shape)}): set dataset.shape=[256,256]"),
-        # numpy (1.x) handles at most 32 dimensions, and a batch adds one.
-        (len(cfg.shape) <= 31, f"dataset.shape must have at most 31 sizes (got {len(cfg.shape)}): set dataset.shape=[256,256]"),
-        (cfg.batches_per_chunk >= 0, f"dataset.batches_per_chunk must be >= 0 (got {cfg.batches_per_chunk}): set dataset.batches_per_chunk=0 (one pass)"),
-        (cfg.load_ms >= 0, f"dataset.load_ms must be >= 0 (got {cfg.load_ms}): set dataset.load_ms=0"),
-        (cfg.num_classes >= 1, f"dataset.num_classes must be >= 1 (got {cfg.num_classes}): set dataset.num_classes=10"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    n, size = cfg.num_samples, chunk_size(cfg)
-    made = math.ceil(n / size)
-    if not cfg.chunk_samples and made != cfg.chunks:  # e.g. 10 samples in 6 chunks: chunks of 2 make 5
-        raise ConfigError(f"dataset.num_samples={n} does not split into dataset.chunks={cfg.chunks} chunks "
-                          f"(chunks of {size} make {made}): set dataset.chunks={made}")
-    if cfg.chunk_samples and cfg.chunks not in (1, made):
-        raise ConfigError(f"dataset.chunks={cfg.chunks} with dataset.chunk_samples={size} needs "
-                          f"dataset.num_samples={cfg.chunks * size} (got {n}): set that, or leave "
-                          f"dataset.chunks at 1 (it follows from num_samples / chunk_samples)")
 
 
 def chunk_size(cfg) -> int:

@@ -9,12 +9,16 @@ Two paths to the same normalised images:
 
 Missing, damaged or undownloadable files surface as one `ConfigError` line naming `dataset.root`,
 the files expected there and the fix.
+
+torchvision (a second of imports) is imported when one of these datasets is built, not when the
+package registers them, so a run on the synthetic data does not pay for it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import http.client
 import math
 import os
@@ -22,29 +26,49 @@ import pickle
 import socket
 import sys
 import urllib.error
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
-import torchvision
-from torchvision import transforms
-from torchvision.datasets.utils import calculate_md5
 
-from datasets.base import FeedDataset, to_unit_float
-from trainer.errors import ConfigError
+from datasets.base import DATASETS, DatasetConfig, FeedDataset, to_unit_float
+from trainer.config import BASE_DIR
+from trainer.errors import ConfigError, at_least
 
 DOWNLOAD_SOCKET_TIMEOUT_S = 30  # urllib waits forever on a stalled connection without one
 
 
+def _torchvision():
+    """torchvision, imported on first use (see the module's docstring)."""
+    import torchvision
+
+    return torchvision
+
+
 class _Vision(FeedDataset):
-    tv_class: type
     title: str  # how the dataset is named in messages
     mean: Tuple[float, ...]
     std: Tuple[float, ...]
 
-    def __init__(self, cfg):
-        if cfg.num_samples < 0:
-            raise ConfigError(f"dataset.num_samples must be >= 0 (got {cfg.num_samples}): set dataset.num_samples=0 (the whole split)")
+    @dataclass
+    class Config(DatasetConfig):
+        """A torchvision dataset read from `root` (downloaded there first when `download=true`)."""
+
+        root: str = str(BASE_DIR / "data")  # folder holding MNIST/raw/ or cifar-10-batches-py/
+        download: bool = True  # fetch the files when they are missing (needs internet)
+        train: bool = True  # true: the training split; false: the test split
+        num_samples: int = 0  # use only the first N samples of the split (0 = all of it)
+
+        def __post_init__(self):
+            at_least("dataset.num_samples", self.num_samples, 0, "0 (the whole split)")
+
+    @property
+    def tv_class(self) -> type:
+        """torchvision's class for this dataset."""
+        raise NotImplementedError
+
+    def __init__(self, cfg: Config):
         self.cfg = cfg
         self.root = Path(cfg.root).expanduser().absolute()
         self.tv = self._open()
@@ -65,6 +89,7 @@ class _Vision(FeedDataset):
         self.storage_dtype = torch.uint8
         self.num_classes = 10
         self.chunk_samples = n  # the whole split is one chunk
+        transforms = _torchvision().transforms
         self.tv.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(self.mean, self.std)])
         self._stats: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -150,11 +175,22 @@ class _Vision(FeedDataset):
         return ""
 
 
+@DATASETS.register
 class Mnist(_Vision):
-    tv_class = torchvision.datasets.MNIST
     title = "MNIST"
     mean, std = (0.1307,), (0.3081,)
     _MAGIC = {"images": 0x0803, "labels": 0x0801}  # IDX: uint8 with 3 / 1 dimensions
+
+    @dataclass
+    class Config(_Vision.Config):
+        """torchvision.datasets.MNIST: 1x28x28 uint8 images, 10 classes. Files live in
+        `<root>/MNIST/raw/`; offline, copy the four *-ubyte files there and set download=false."""
+
+        name: str = "mnist"
+
+    @property
+    def tv_class(self) -> type:
+        return _torchvision().datasets.MNIST
 
     @property
     def folder(self) -> Path:
@@ -172,7 +208,7 @@ class Mnist(_Vision):
                 trouble = _idx_trouble(path, self._MAGIC["images" if "images" in name else "labels"])
                 if trouble:
                     damaged.append(f"{name} is {trouble}")
-            elif archive.is_file() and calculate_md5(archive) != md5:
+            elif archive.is_file() and _md5(archive) != md5:
                 missing.append(f"{name} ({gz} is there but incomplete or not the official file)")
             elif archive.is_file():
                 missing.append(f"{name} ({gz} is there, not extracted: dataset.download=true extracts it offline)")
@@ -181,10 +217,22 @@ class Mnist(_Vision):
         return missing, damaged
 
 
+@DATASETS.register
 class Cifar10(_Vision):
-    tv_class = torchvision.datasets.CIFAR10
     title = "CIFAR-10"
     mean, std = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+    @dataclass
+    class Config(_Vision.Config):
+        """torchvision.datasets.CIFAR10: 3x32x32 uint8 images, 10 classes. Files live in
+        `<root>/cifar-10-batches-py/`."""
+
+        name: str = "cifar10"
+        verify_md5: bool = True  # false: skip the md5 check of the batch files (re-packed or generated files)
+
+    @property
+    def tv_class(self) -> type:
+        return _torchvision().datasets.CIFAR10
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -204,7 +252,7 @@ class Cifar10(_Vision):
         return [name for name, _ in self._official()]
 
     def _torchvision(self, download: bool):
-        cls = self.tv_class if self.cfg.verify_md5 else _UncheckedCIFAR10
+        cls = self.tv_class if self.cfg.verify_md5 else _unchecked_cifar10()
         return cls(root=str(self.root), train=self.cfg.train, download=download)
 
     def problems(self):
@@ -213,7 +261,7 @@ class Cifar10(_Vision):
             path = self.folder / name
             if not path.is_file():
                 missing.append(name)
-            elif self.cfg.verify_md5 and calculate_md5(path) != md5:
+            elif self.cfg.verify_md5 and _md5(path) != md5:
                 unofficial.append(name)
             elif not _unpickles(path):
                 unreadable.append(name)
@@ -233,13 +281,22 @@ class Cifar10(_Vision):
         return ""
 
 
-class _UncheckedCIFAR10(torchvision.datasets.CIFAR10):
+@functools.lru_cache(maxsize=None)
+def _unchecked_cifar10() -> type:
     """CIFAR10 that only checks that its files exist (`dataset.verify_md5=false`): torchvision
     compares every batch file with the official md5 otherwise, so re-packed files fail."""
+    cifar10 = _torchvision().datasets.CIFAR10
 
-    train_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.train_list]
-    test_list = [[name, None] for name, _ in torchvision.datasets.CIFAR10.test_list]
-    meta = {**torchvision.datasets.CIFAR10.meta, "md5": None}
+    class UncheckedCIFAR10(cifar10):
+        train_list = [[name, None] for name, _ in cifar10.train_list]
+        test_list = [[name, None] for name, _ in cifar10.test_list]
+        meta = {**cifar10.meta, "md5": None}
+
+    return UncheckedCIFAR10
+
+
+def _md5(path: Path) -> str:
+    return _torchvision().datasets.utils.calculate_md5(path)
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -10,7 +10,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 
-import trainer.config  # noqa: F401  (registers the schemas)
+import trainer.components  # noqa: F401  (registers every dataset, loader and model option)
 from trainer.config import CONF_DIR as _CONF_DIR
 
 CONF_DIR = str(_CONF_DIR)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torchvision
 
-from datasets import build_dataset
+from datasets import DATASETS, build_dataset
 from datasets.synthetic import SyntheticDataset
 from models import build_model
 from trainer.config import PROJECT_ROOT
@@ -28,8 +28,9 @@ MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-image
 CIFAR_FILES = [f"data_batch_{k}" for k in range(1, 6)] + ["test_batch", "batches.meta"]
 
 
-def synthetic(*overrides: str):
-    return compose_config("dataset=synthetic", "dataset.shape=[4,6]", *overrides).dataset
+def synthetic(*overrides: str) -> SyntheticDataset.Config:
+    """The typed config of `dataset=synthetic` (checked: a bad value raises its ConfigError)."""
+    return DATASETS.config(compose_config("dataset=synthetic", "dataset.shape=[4,6]", *overrides).dataset)
 
 
 def vision(name: str, root: Path, *overrides: str):

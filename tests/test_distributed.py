@@ -24,6 +24,7 @@ from trainer.loop import distributed
 from trainer.loop.engine import planned_steps
 from trainer.loop.run import run
 from trainer.errors import Interrupted, RunFailed
+from trainer.launch import LAUNCH_TIME_ENV, launch_time
 from trainer.loop.verify import Checksum, combine_ranks
 from trainer.tools import scaling
 from trainer.tracking import report, sweep
@@ -181,10 +182,10 @@ def test_every_rank_plans_the_steps_of_the_single_process_loop(monkeypatch):
 
 
 def test_launch_time_names_one_folder_for_every_rank(monkeypatch):
-    monkeypatch.setenv(distributed.LAUNCH_TIME_ENV, "2026-01-02T03:04:05.678901")
-    assert distributed.launch_time("%Y-%m-%d/%H-%M-%S-%f") == "2026-01-02/03-04-05-678901"
-    monkeypatch.delenv(distributed.LAUNCH_TIME_ENV)
-    assert distributed.launch_time("%Y") == time.strftime("%Y")
+    monkeypatch.setenv(LAUNCH_TIME_ENV, "2026-01-02T03:04:05.678901")
+    assert launch_time("%Y-%m-%d/%H-%M-%S-%f") == "2026-01-02/03-04-05-678901"
+    monkeypatch.delenv(LAUNCH_TIME_ENV)
+    assert launch_time("%Y") == time.strftime("%Y")
 
 
 def test_jobs_timed_at_once_on_one_device_are_marked(tiny_cfg, tracking_uri):

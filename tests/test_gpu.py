@@ -14,14 +14,13 @@ import torch
 from mlflow.tracking import MlflowClient
 
 from datasets import build_dataset
-from trainer.config import SCHEMAS
-from trainer.loaders import build_loader
+from trainer.loaders import LOADERS, build_loader
 from trainer.loaders.pinned_gather import THREAD_PREFIX
 from trainer.loop.run import run
 from trainer.loop.verify import Checksum
 
 pytestmark = pytest.mark.gpu
-STRATEGIES = list(SCHEMAS["loader"])
+STRATEGIES = list(LOADERS)
 COPYING = [s for s in STRATEGIES if s != "gpu_resident"]
 SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
 

@@ -24,14 +24,15 @@ from mlflow.tracking import MlflowClient
 from clirun import LONG, TINY, check_turns_run, command, steps_csv, wait_for_running
 from conftest import compose_config
 from test_interrupts import assert_killed_with_steps, signal_when_running
-from trainer.config import PROJECT_ROOT, SCHEMAS
+from trainer.config import PROJECT_ROOT
+from trainer.loaders import LOADERS
 from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
 from trainer.tools.profiling import copy_overlap
 from trainer.tracking.runs import PER_STEP_METRICS
 from trainer.validate import validate
 
-STRATEGIES = list(SCHEMAS["loader"])
+STRATEGIES = list(LOADERS)
 CONTRACT = ["throughput_samples_per_s", "data_wait_fraction", "gpu_busy_fraction", "h2d_GBps", "hidden_h2d_fraction",
             "setup_s", "peak_gpu_mem_mb", "pinned_host_mb", "total_steps", "total_samples", "timed_wall_s",
             "median_step_ms", "final_loss"]
@@ -223,7 +224,7 @@ def test_nan_loss_fails_the_run_at_its_step(tiny_cfg, runs):
 def test_a_failing_step_fails_the_run_with_its_steps(tiny_cfg, runs, monkeypatch):
     """Any exception in the step (here a model that breaks at its 5th call) goes through
     Lightning's error handling and fails the run as in the feedbench loop, keeping the steps before."""
-    from models import Autoencoder
+    from models.autoencoder import Autoencoder
     calls = {"n": 0}
     real = Autoencoder.forward_loss
 

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from datasets import build_dataset
-from trainer.config import SCHEMAS
 from trainer.errors import ConfigError, RunFailed
-from trainer.loaders import build_loader
+from trainer.loaders import LOADERS, build_loader
 from trainer.loaders.order import epoch_order
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.run import run
@@ -24,7 +23,7 @@ from conftest import TINY, compose_config
 
 # seed_iterable draws seed 000's random rows (with replacement): it reproduces that seed rather than
 # delivering baseline's samples, and is tested with its preset (test_presets.py).
-STRATEGIES = [s for s in SCHEMAS["loader"] if s != "seed_iterable"]
+STRATEGIES = [s for s in LOADERS if s != "seed_iterable"]
 
 
 def checksums(tiny_cfg, strategy, *overrides):
@@ -271,7 +270,7 @@ def test_pinned_gather_rejects_no_threads_or_depth(tiny_cfg, key):
         build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("strategy", list(SCHEMAS["loader"]))
+@pytest.mark.parametrize("strategy", list(LOADERS))
 def test_a_pass_left_suspended_ends_quietly_after_close(tiny_cfg, monkeypatch, strategy):
     """A pass left suspended past the strategy's close() (a traceback holding it, say) touches
     nothing close() released when it is garbage-collected: no 'Exception ignored' on stderr."""

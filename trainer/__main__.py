@@ -14,7 +14,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import CompactHydraException
 from hydra.types import RunMode
 
-from trainer.config import BASE_DIR, CONF_DIR, INSTALLED  # importing it registers the config schemas
+import trainer.components  # noqa: F401  (registers every dataset, loader and model option, before Hydra composes)
+from trainer.config import BASE_DIR, CONF_DIR, INSTALLED
 from trainer.loop import distributed, faults
 from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run

@@ -1,20 +1,32 @@
-"""Typed config schemas, registered in Hydra's ConfigStore.
+"""The job's config: the engine, tracking and distributed sections, and the registries through
+which every component (dataset, loader strategy, model) adds its own.
 
-Every YAML option in `conf/<group>/` starts from the schema stored at `schema/<group>/<name>`,
-so a typo (`loader.pin_memroy=true`) or a wrong type (`loader.batch_size=abc`) fails when Hydra
-composes the config, before anything runs. Each component later receives only its own section.
+Each component class carries a small typed `Config` dataclass beside its code; registering the
+class (`@LOADERS.register`) stores that dataclass in Hydra's ConfigStore as its group's option
+(`loader=prefetch`), so a typo (`loader.pin_memroy=true`) or a wrong type (`loader.batch_size=abc`)
+fails when Hydra composes the config, before anything runs. Range checks live in each dataclass's
+`__post_init__`, which runs when the composed config is turned into these objects
+(`trainer.validate.validate`); each component then receives only its own object.
+
+This module imports no component: the packages `datasets`, `models` and `trainer.loaders` register
+their options when imported (`trainer.components` imports all three).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import math
+import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Iterable, Optional
 
 from hydra.core.config_store import ConfigStore
-from types import SimpleNamespace
-
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from trainer.errors import ConfigError, at_least
+from trainer.launch import launch_time
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # a checkout's root (site-packages once installed)
 # A wheel carries the checkout's conf/ inside the package (pyproject.toml maps it to trainer/conf);
@@ -26,161 +38,53 @@ CONF_DIR = _PACKAGED_CONF if INSTALLED else PROJECT_ROOT / "conf"
 # from; for an installed package, the current directory (Hydra >= 1.2 does not change it).
 BASE_DIR = Path.cwd() if INSTALLED else PROJECT_ROOT
 
-
-# ----------------------------------------------------------------------------- datasets
-@dataclass
-class DatasetConfig:
-    """Common to every dataset."""
-
-    name: str = MISSING
-    seed: int = 0  # seeds data generation (synthetic) and fixed labels
+OPTIMIZERS = ("adam", "adamw", "sgd")
+LOOPS = ("feedbench", "lightning")
+MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
 
 
-@dataclass
-class SyntheticConfig(DatasetConfig):
-    """Seed 000's random 'big chunk': `num_samples` samples, 'loaded from disk' one chunk at a time.
+# ----------------------------------------------------------------------------- registries
+class Registry(dict):
+    """One config group's options, `name -> component class`. Each class carries its `Config`
+    dataclass, whose `name` default is the option's name; registering the class also stores that
+    dataclass in Hydra's ConfigStore as the group's option, so it composes with no YAML file."""
 
-    The chunking is set by `chunks` or by `chunk_samples`, not both: `chunk_samples=0` splits
-    `num_samples` into `chunks` loads; `chunk_samples=N` loads N samples at a time (and `chunks`
-    follows: leave it at 1). Seed 000 is `num_samples=2000 chunk_samples=1000 batches_per_chunk=4`.
-    """
+    def __init__(self, group: str):
+        super().__init__()
+        self.group = group
 
-    name: str = "synthetic"
-    num_samples: int = 1000  # samples in the whole dataset (all chunks together)
-    shape: List[int] = field(default_factory=lambda: [256, 256])  # one sample's shape
-    dtype: str = "float32"  # storage dtype: float32 | float16 | bfloat16 | uint8 (model input is float32)
-    chunks: int = 1  # the data is 'loaded from disk' in this many chunks
-    chunk_samples: int = 0  # samples per chunk (0 = num_samples / chunks, rounded up)
-    batches_per_chunk: int = 0  # iterable view: random batches drawn per loaded chunk (0 = one pass)
-    load_ms: float = 0.0  # simulated disk-read time per chunk
-    num_classes: int = 10  # a fixed random label per sample (for the MLP)
+    def register(self, cls: type) -> type:
+        """Class decorator: `@LOADERS.register` above a strategy makes it `loader=<its Config.name>`."""
+        name = cls.Config.name
+        cls.Config.__name__ = f"{cls.__name__}.Config"  # Hydra's messages name it (`not in 'PrefetchLoader.Config'`)
+        self[name] = cls
+        ConfigStore.instance().store(group=self.group, name=name, node=cls.Config)
+        return cls
 
+    def config(self, section):
+        """`section` as its option's typed Config, checked by the Config's `__post_init__`: from a
+        section of a composed config, or of one read from a YAML file; a Config is returned as is."""
+        if not isinstance(section, DictConfig):
+            return section
+        if section.name not in self:
+            raise ConfigError(f"{self.group}.name must be one of {', '.join(self)} (got {section.name!r}): "
+                              f"set {self.group}=<one of them>")
+        # A plain dict first: interpolations resolve against the whole config, and an untyped
+        # section (read from a file) is checked against the Config's keys and types.
+        values = OmegaConf.to_container(section, resolve=True)
+        return OmegaConf.to_object(OmegaConf.merge(self[section.name].Config, values))
 
-@dataclass
-class VisionConfig(DatasetConfig):
-    """A torchvision dataset read from `root` (downloaded there first when `download=true`)."""
-
-    root: str = str(BASE_DIR / "data")  # folder holding MNIST/raw/ or cifar-10-batches-py/
-    download: bool = True  # fetch the files when they are missing (needs internet)
-    train: bool = True  # true: the training split; false: the test split
-    num_samples: int = 0  # use only the first N samples of the split (0 = all of it)
-
-
-@dataclass
-class MnistConfig(VisionConfig):
-    """torchvision.datasets.MNIST: 1x28x28 uint8 images, 10 classes."""
-
-    name: str = "mnist"
-
-
-@dataclass
-class Cifar10Config(VisionConfig):
-    """torchvision.datasets.CIFAR10: 3x32x32 uint8 images, 10 classes."""
-
-    name: str = "cifar10"
-    verify_md5: bool = True  # false: skip the md5 check of the batch files (re-packed or generated files)
+    def build(self, section, *args, **kwargs):
+        """The component `section` names, made from its typed Config and `args`."""
+        cfg = self.config(section)
+        return self[cfg.name](cfg, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------- loaders
-@dataclass
-class LoaderConfig:
-    """Common to every loader strategy."""
-
-    name: str = MISSING
-    batch_size: int = 64
-    shuffle: bool = True
-    drop_last: bool = False
-    num_workers: int = 0  # DataLoader worker processes (DataLoader-based strategies)
-    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (None = torch default)
-    persistent_workers: bool = False  # keep workers alive between epochs
-
-
-@dataclass
-class BaselineConfig(LoaderConfig):
-    name: str = "baseline"
-
-
-@dataclass
-class PinnedConfig(LoaderConfig):
-    name: str = "pinned"
-    non_blocking: bool = True  # false: blocking `.to(device)` of the pinned batch (seeds 002 and 004)
-
-
-@dataclass
-class PrefetchConfig(LoaderConfig):
-    name: str = "prefetch"
-    depth: int = 1  # batches copied ahead on the side stream
-
-
-@dataclass
-class PinnedChunkConfig(LoaderConfig):
-    name: str = "pinned_chunk"
-    depth: int = 1  # slices copied ahead on the side stream
-    shuffle_rows: bool = False  # also permute the rows of each chunk once, when it is loaded
-
-
-@dataclass
-class PinnedGatherConfig(LoaderConfig):
-    """Rows gathered in `epoch_order` by worker threads into page-locked slots, copied on a side stream."""
-
-    name: str = "pinned_gather"
-    depth: int = 1  # batches copied ahead on the side stream
-    threads: int = 4  # threads gathering rows into the page-locked slots (depth + threads + 1 slots)
-
-
-@dataclass
-class PinnedUvaConfig(LoaderConfig):
-    """The dataset in page-locked memory; each batch's rows read by the GPU itself (one kernel per batch)."""
-
-    name: str = "pinned_uva"
-    depth: int = 2  # batches gathered ahead on the side stream (loader.depth + 2 device slots)
-    # Thread blocks of the gather kernel: each holds an SM while it waits on PCIe. 4 leave the SMs
-    # to a GPU-bound step (1% slower beside it on an H100); 16-32 for a transfer-bound run (model=noop).
-    ctas: int = 4
-
-
-@dataclass
-class GpuResidentConfig(LoaderConfig):
-    name: str = "gpu_resident"
-
-
-@dataclass
-class SeedIterableConfig(LoaderConfig):
-    """Seed 000's own DataLoader over its IterableDataset (dataset=synthetic only)."""
-
-    name: str = "seed_iterable"
-    variant: str = "pin_batches"  # no_pinning | copy_in_loader | pin_batches | pin_chunk: the seed's four
-
-
-# ----------------------------------------------------------------------------- models
-@dataclass
-class ModelConfig:
-    name: str = MISSING
-    busy_ms: float = 0.0  # extra fixed device-side work per step (compute emulation)
-
-
-@dataclass
-class AutoencoderConfig(ModelConfig):
-    """Seed 000's autoencoder: input -> hidden -> bottleneck -> hidden -> input."""
-
-    name: str = "autoencoder"
-    hidden: int = 64
-    bottleneck: int = 3
-
-
-@dataclass
-class MlpConfig(ModelConfig):
-    """Seed 003's classifier: flatten -> hidden -> classes."""
-
-    name: str = "mlp"
-    hidden: int = 512
-
-
-@dataclass
-class NoopConfig(ModelConfig):
-    """Forward and backward do nothing: only the data feed is measured."""
-
-    name: str = "noop"
+def import_modules(package: str, path: Iterable[str]) -> None:
+    """Import every module of a package (`__name__`, `__path__`): each component file registers
+    itself, so a new option is one new file."""
+    for module in pkgutil.iter_modules(path):
+        importlib.import_module(f"{package}.{module.name}")
 
 
 # ----------------------------------------------------------------------------- run
@@ -188,6 +92,13 @@ class NoopConfig(ModelConfig):
 class OptimizerConfig:
     name: str = "adam"  # adam | sgd | adamw
     lr: float = 1e-3
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {self.name!r}): "
+                              f"set engine.optimizer.name=adam")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"engine.optimizer.lr must be a finite number > 0 (got {self.lr}): set engine.optimizer.lr=0.001")
 
 
 @dataclass
@@ -220,6 +131,28 @@ class EngineConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 
+    def __post_init__(self):
+        at_least("engine.epochs", self.epochs, 1, "1 (or set engine.max_steps, the run's length in steps)")
+        at_least("engine.max_steps", self.max_steps, 0, "0 (run engine.epochs passes)")
+        at_least("engine.warmup_steps", self.warmup_steps, 0, 5)
+        at_least("engine.gpu_timing_every", self.gpu_timing_every, 1, 8)
+        at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
+        if self.loop not in LOOPS:
+            raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {self.loop!r}): set engine.loop=feedbench")
+        if self.loop == "lightning":
+            self._check_lightning()
+
+    def _check_lightning(self) -> None:
+        if importlib.util.find_spec("lightning") is None:
+            raise ConfigError("engine.loop=lightning needs the lightning package: pip install 'feedbench[lightning]' "
+                              "(or pip install lightning), or set engine.loop=feedbench")
+        if self.cuda_graph:
+            # Lightning's automatic optimization runs forward, backward and the optimizer step itself, in
+            # its closure: there is no single step function to capture.
+            raise ConfigError("engine.cuda_graph=true cannot be used with engine.loop=lightning (Lightning runs the step "
+                              "itself): set engine.cuda_graph=false, or engine.loop=feedbench")
+        at_least("engine.lightning.log_every_n_steps", self.lightning.log_every_n_steps, 1, 50)
+
 
 @dataclass
 class TrackingConfig:
@@ -231,6 +164,13 @@ class TrackingConfig:
     parent_run_id: Optional[str] = None  # nest the run under this MLflow run (a sweep sets it per job)
     sweep_name: Optional[str] = None  # name of a multirun's parent run (None = the swept overrides)
 
+    def __post_init__(self):
+        if not self.experiment:
+            raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
+        if len(self.experiment) > MAX_EXPERIMENT_NAME_LENGTH:
+            raise ConfigError(f"tracking.experiment must be at most {MAX_EXPERIMENT_NAME_LENGTH} characters (got "
+                              f"{len(self.experiment)}): set tracking.experiment=feedbench")
+
 
 @dataclass
 class DistributedConfig:
@@ -238,9 +178,17 @@ class DistributedConfig:
 
     timeout_s: float = 300.0  # how long the ranks' own collectives (errors, results after the loop) wait for a rank
 
+    def __post_init__(self):
+        if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
+            raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {self.timeout_s}): "
+                              f"set distributed.timeout_s=300")
+
 
 @dataclass
 class Config:
+    """The whole job. `dataset`, `loader` and `model` are their chosen option's own Config
+    (`loader=prefetch`: `PrefetchLoader.Config`), stored by the registries."""
+
     dataset: Any = MISSING
     loader: Any = MISSING
     model: Any = MISSING
@@ -249,50 +197,15 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
-SCHEMAS = {
-    "dataset": {"synthetic": SyntheticConfig, "mnist": MnistConfig, "cifar10": Cifar10Config},
-    "loader": {
-        "baseline": BaselineConfig,
-        "pinned": PinnedConfig,
-        "prefetch": PrefetchConfig,
-        "pinned_chunk": PinnedChunkConfig,
-        "pinned_gather": PinnedGatherConfig,
-        "pinned_uva": PinnedUvaConfig,
-        "gpu_resident": GpuResidentConfig,
-        "seed_iterable": SeedIterableConfig,
-    },
-    "model": {"autoencoder": AutoencoderConfig, "mlp": MlpConfig, "noop": NoopConfig},
-}
-
-
-def plain(section):
-    """A component's config section as a plain object (its schema's dataclass), for code that reads
-    it per batch: an OmegaConf attribute lookup costs ~10 us, a dataclass attribute ~50 ns."""
-    if not isinstance(section, DictConfig):
-        return section
-    obj = OmegaConf.to_object(section)
-    return SimpleNamespace(**obj) if isinstance(obj, dict) else obj
-
-
 def register() -> None:
-    """Store every schema; YAML options pull theirs in with `- /schema/<group>/<name>@_here_`."""
-    cs = ConfigStore.instance()
-    cs.store(name="config_schema", node=Config)
-    for group, options in SCHEMAS.items():
-        for name, node in options.items():
-            cs.store(group=f"schema/{group}", name=name, node=node)
+    """Store the job's schema (`conf/config.yaml` starts from it) and the resolvers its folders use."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("base_dir"):
         OmegaConf.register_new_resolver("base_dir", lambda: str(BASE_DIR))  # Hydra's folders: under outputs/ there
     if not OmegaConf.has_resolver("launch_time"):
         # `${now:}` as rank 0 read it: under torchrun every rank composes its own config, and
         # Hydra's output folder would otherwise differ from rank to rank. Cached, like `now`.
-        OmegaConf.register_new_resolver("launch_time", _launch_time, use_cache=True)
-
-
-def _launch_time(pattern: str) -> str:
-    from trainer.loop.distributed import launch_time
-
-    return launch_time(pattern)
+        OmegaConf.register_new_resolver("launch_time", launch_time, use_cache=True)
 
 
 register()

@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """A config value or combination that cannot run; the message names the key and the fix."""
 
 
+def at_least(key: str, value, low, fix) -> None:
+    """`key` must be >= `low`; `fix` is a value that works."""
+    if value < low:
+        raise ConfigError(f"{key} must be >= {low} (got {value}): set {key}={fix}")
+
+
 class RunFailed(RuntimeError):
     """A started run that could not go on; `step` is where it broke (None when not tied to one)."""
 

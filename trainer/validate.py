@@ -1,30 +1,21 @@
-"""Range checks on the composed config, run before anything is built or recorded.
+"""From the composed config to the typed objects the components receive, checked on the way.
 
-The schemas (`trainer/config.py`) reject unknown keys and wrong types when Hydra composes the
-config; these checks catch values of the right type that cannot run. Each failure is one
-`ConfigError` naming the key, the value, what is allowed and a value that works, e.g.
-`loader.batch_size must be >= 1 (got 0): set loader.batch_size=64`.
+Hydra rejects unknown keys and wrong types when it composes the config (each section's schema is
+its component's `Config` dataclass). `validate` then resolves the config and builds those
+dataclasses: each one's `__post_init__` checks its own values, and the few checks that need two
+sections run after. Each failure is one `ConfigError` naming the key, the value, what is allowed
+and a value that works, e.g. `loader.batch_size must be >= 1 (got 0): set loader.batch_size=64`.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
+import dataclasses
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.config import Config
 from trainer.errors import ConfigError
-
-OPTIMIZERS = ("adam", "adamw", "sgd")
-LOOPS = ("feedbench", "lightning")
-MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
-
-
-def at_least(key: str, value, low, fix) -> None:
-    """`key` must be >= `low`; `fix` is a value that works."""
-    if value < low:
-        raise ConfigError(f"{key} must be >= {low} (got {value}): set {key}={fix}")
 
 
 def resolve(cfg) -> None:
@@ -53,70 +44,40 @@ def _check_interpolations(node, prefix: str) -> None:
                 _check_interpolations(child, f"{name}.")
 
 
-def validate(cfg) -> None:
-    """Resolve the config, then check it; raise `ConfigError` for the first value that cannot run."""
+def _check_keys(node: DictConfig, prefix: str) -> None:
+    """Refuse a key that its section's dataclass does not have: Hydra lets `+loader.batchsize=1`
+    add one (only a plain override of an unknown key fails at compose time), and the dataclass
+    would carry it along unread."""
+    kind = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(kind):
+        known = [f.name for f in dataclasses.fields(kind)]
+        for key in node:
+            if key not in known:
+                raise ConfigError(f"{prefix}{key} is not a key of {prefix[:-1] or 'the config'} ({kind.__name__}): "
+                                  f"remove +{prefix}{key}; its keys are {', '.join(known)}")
+    for key in node:
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _check_keys(child, f"{prefix}{key}.")
+
+
+def validate(cfg) -> Config:
+    """Resolve the composed config and return it as typed objects (`trainer.config.Config`, whose
+    `dataset`, `loader` and `model` are their options' own Config); raise `ConfigError` for the
+    first value that cannot run."""
     resolve(cfg)
-    loader, engine, model = cfg.loader, cfg.engine, cfg.model
-    at_least("loader.batch_size", loader.batch_size, 1, 64)
-    at_least("loader.num_workers", loader.num_workers, 0, 0)
-    if loader.prefetch_factor is not None:
-        at_least("loader.prefetch_factor", loader.prefetch_factor, 1, 2)
-    if "depth" in loader:
-        at_least("loader.depth", loader.depth, 1, 1)
-    if "threads" in loader:
-        at_least("loader.threads", loader.threads, 1, 4)
-    at_least("engine.epochs", engine.epochs, 1, "1 (or set engine.max_steps, the run's length in steps)")
-    at_least("engine.max_steps", engine.max_steps, 0, "0 (run engine.epochs passes)")
-    at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)
-    at_least("engine.gpu_timing_every", engine.gpu_timing_every, 1, 8)
-    _validate_loop(engine)
-    if engine.optimizer.name not in OPTIMIZERS:
-        raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {engine.optimizer.name!r}): "
-                          f"set engine.optimizer.name=adam")
-    if not (engine.optimizer.lr > 0 and math.isfinite(engine.optimizer.lr)):
-        raise ConfigError(f"engine.optimizer.lr must be a finite number > 0 (got {engine.optimizer.lr}): set engine.optimizer.lr=0.001")
-    at_least("model.busy_ms", model.busy_ms, 0, 0)
-    for key, fix in (("hidden", 64), ("bottleneck", 3)):
-        if key in model:
-            at_least(f"model.{key}", model[key], 1, fix)
-    _validate_dataset(cfg.dataset)
-    classes = cfg.dataset.get("num_classes", 10)  # the vision datasets have 10
-    if model.name == "mlp" and classes < 2:
-        raise ConfigError(f"model=mlp needs labels of at least 2 classes (got dataset.num_classes={classes}): "
-                          f"set dataset.num_classes=10, or use model=autoencoder or model=noop")
-    if not (cfg.distributed.timeout_s > 0 and math.isfinite(cfg.distributed.timeout_s)):
-        raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {cfg.distributed.timeout_s}): "
-                          f"set distributed.timeout_s=300")
-    if not cfg.tracking.experiment:
-        raise ConfigError("tracking.experiment must be a non-empty name (got ''): set tracking.experiment=feedbench")
-    if len(cfg.tracking.experiment) > MAX_EXPERIMENT_NAME_LENGTH:
-        raise ConfigError(f"tracking.experiment must be at most {MAX_EXPERIMENT_NAME_LENGTH} characters (got "
-                          f"{len(cfg.tracking.experiment)}): set tracking.experiment=feedbench")
+    _check_keys(cfg, "")
+    job = OmegaConf.to_object(cfg)  # runs every section's __post_init__ checks
+    _check_sections(job)
+    return job
 
 
-def _validate_loop(engine) -> None:
-    if engine.loop not in LOOPS:
-        raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {engine.loop!r}): set engine.loop=feedbench")
-    if engine.loop != "lightning":
-        return
-    if importlib.util.find_spec("lightning") is None:
-        raise ConfigError("engine.loop=lightning needs the lightning package: pip install 'feedbench[lightning]' "
-                          "(or pip install lightning), or set engine.loop=feedbench")
-    if engine.cuda_graph:
-        # Lightning's automatic optimization runs forward, backward and the optimizer step itself, in
-        # its closure: there is no single step function to capture.
-        raise ConfigError("engine.cuda_graph=true cannot be used with engine.loop=lightning (Lightning runs the step "
-                          "itself): set engine.cuda_graph=false, or engine.loop=feedbench")
-    at_least("engine.lightning.log_every_n_steps", engine.lightning.log_every_n_steps, 1, 50)
-
-
-def _validate_dataset(cfg) -> None:
-    if cfg.name == "synthetic":
-        from datasets.synthetic import _validate  # the synthetic dataset's own checks, run before the run opens
-
-        _validate(cfg)
-    elif "num_samples" in cfg:
-        at_least("dataset.num_samples", cfg.num_samples, 0, "0 (the whole split)")
+def _check_sections(job: Config) -> None:
+    """Checks that need two sections."""
+    classes = getattr(job.dataset, "num_classes", 10)  # the vision datasets have 10
+    if classes < job.model.min_classes:
+        raise ConfigError(f"model={job.model.name} needs labels of at least {job.model.min_classes} classes (got "
+                          f"dataset.num_classes={classes}): set dataset.num_classes=10, or use model=autoencoder or model=noop")
 
 
 def check_against_dataset(cfg, dataset) -> None:

@@ -1,17 +1,41 @@
-"""What every loader strategy shares: a plain iterable of device-ready `(x, y)` batches."""
+"""What every loader strategy shares: a plain iterable of device-ready `(x, y)` batches, the
+config keys common to all of them, and the registry each strategy file adds itself to."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator, Optional, Tuple
 
 import torch
+from omegaconf import MISSING
 
 from datasets.base import FeedDataset
-from trainer.config import plain
+from trainer.config import Registry
+from trainer.errors import at_least
 from trainer.loaders.order import EpochSampler, Shard
 from trainer.memory import check_host_fits, chunk_samples_for
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
+LOADERS = Registry("loader")  # `loader=<name>`: every strategy of trainer/loaders/, registered by its own file
+
+
+@dataclass
+class LoaderConfig:
+    """Common to every loader strategy; a strategy's own `Config` extends it."""
+
+    name: str = MISSING  # the strategy (`loader=prefetch`), set by its Config
+    batch_size: int = 64
+    shuffle: bool = True
+    drop_last: bool = False
+    num_workers: int = 0  # DataLoader worker processes (DataLoader-based strategies)
+    prefetch_factor: Optional[int] = None  # batches each worker loads ahead (None = torch default)
+    persistent_workers: bool = False  # keep workers alive between epochs
+
+    def __post_init__(self):
+        at_least("loader.batch_size", self.batch_size, 1, 64)
+        at_least("loader.num_workers", self.num_workers, 0, 0)
+        if self.prefetch_factor is not None:
+            at_least("loader.prefetch_factor", self.prefetch_factor, 1, 2)
 
 
 class DeviceLoader:
@@ -27,8 +51,8 @@ class DeviceLoader:
 
     needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
 
-    def __init__(self, cfg, dataset: FeedDataset, device: torch.device, seed: int = 0, shard: Shard = Shard()):
-        self.cfg, self.dataset, self.device, self.seed = plain(cfg), dataset, torch.device(device), seed
+    def __init__(self, cfg: LoaderConfig, dataset: FeedDataset, device: torch.device, seed: int = 0, shard: Shard = Shard()):
+        self.cfg, self.dataset, self.device, self.seed = cfg, dataset, torch.device(device), seed
         self.shard = shard
         self.on_cuda = self.device.type == "cuda"
         self.setup_s = 0.0  # one-time cost paid before the first batch (pinning, uploading)

@@ -1,10 +1,17 @@
 """`baseline`: DataLoader in pageable memory, blocking `.to(device)` – what most loops do."""
 
-from trainer.loaders.base import DeviceLoader
+from dataclasses import dataclass
+
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
 
 
+@LOADERS.register
 class BaselineLoader(DeviceLoader):
+    @dataclass
+    class Config(LoaderConfig):
+        name: str = "baseline"
+
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
         self.dataloader = self._dataloader(pin_memory=False)

@@ -7,16 +7,22 @@ and become model input only after the gather, on the device.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from trainer.loaders.base import DeviceLoader
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard, epoch_shard
 from trainer.memory import check_gpu_fits, check_host_fits
 
 
+@LOADERS.register
 class GpuResidentLoader(DeviceLoader):
     needs_cuda = True
+
+    @dataclass
+    class Config(LoaderConfig):
+        name: str = "gpu_resident"
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)

@@ -5,12 +5,20 @@ queued in front of the step on the same stream, so it does not overlap compute.
 `loader.non_blocking=false` makes the copy blocking, as a plain `.cuda()` is (seed 002's
 question): the batch is pinned, but the host still waits for every copy."""
 
-from trainer.loaders.base import DeviceLoader
+from dataclasses import dataclass
+
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
 
 
+@LOADERS.register
 class PinnedLoader(DeviceLoader):
     needs_cuda = True
+
+    @dataclass
+    class Config(LoaderConfig):
+        name: str = "pinned"
+        non_blocking: bool = True  # false: blocking `.to(device)` of the pinned batch (seeds 002 and 004)
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)

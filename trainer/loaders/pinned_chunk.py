@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
-from trainer.errors import ConfigError
-from trainer.loaders.base import DeviceLoader, pinned_empty
+from trainer.errors import ConfigError, at_least
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
 from trainer.loaders.order import Shard, epoch_order
 from trainer.loaders.stream import SideStreamCopier
 from trainer.memory import check_host_fits, chunk_samples_for
@@ -31,13 +32,22 @@ from trainer.memory import check_host_fits, chunk_samples_for
 _STAGES = 2  # staging buffers for straddling batches, used alternately
 
 
+@LOADERS.register
 class PinnedChunkLoader(DeviceLoader):
     needs_cuda = True
 
+    @dataclass
+    class Config(LoaderConfig):
+        name: str = "pinned_chunk"
+        depth: int = 1  # slices copied ahead on the side stream
+        shuffle_rows: bool = False  # also permute the rows of each chunk once, when it is loaded
+
+        def __post_init__(self):
+            super().__post_init__()
+            at_least("loader.depth", self.depth, 1, 1)
+
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
-        if cfg.depth < 1:
-            raise ValueError(f"loader.depth must be >= 1 (got {cfg.depth}): set loader.depth=1")
         if dataset.num_chunks > 1 and dataset.chunk_samples < cfg.batch_size:
             raise ConfigError(f"loader=pinned_chunk needs chunks of at least loader.batch_size={cfg.batch_size} samples "
                               f"(got {dataset.chunk_samples}): lower dataset.chunks or loader.batch_size")

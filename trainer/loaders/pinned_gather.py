@@ -26,13 +26,14 @@ import threading
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass
 from typing import Deque, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from trainer.errors import ConfigError, RunFailed
-from trainer.loaders.base import DeviceLoader, pinned_empty
+from trainer.errors import RunFailed, at_least
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
 from trainer.loaders.order import Shard, epoch_shard
 from trainer.loaders.stream import SideStreamCopier
 from trainer.memory import check_host_fits, chunk_samples_for
@@ -40,14 +41,25 @@ from trainer.memory import check_host_fits, chunk_samples_for
 THREAD_PREFIX = "pinned-gather"  # the worker threads' names start with this
 
 
+@LOADERS.register
 class PinnedGatherLoader(DeviceLoader):
     needs_cuda = True
 
+    @dataclass
+    class Config(LoaderConfig):
+        """Rows gathered in `epoch_order` by worker threads into page-locked slots, copied on a side stream."""
+
+        name: str = "pinned_gather"
+        depth: int = 1  # batches copied ahead on the side stream
+        threads: int = 4  # threads gathering rows into the page-locked slots (depth + threads + 1 slots)
+
+        def __post_init__(self):
+            super().__post_init__()
+            at_least("loader.depth", self.depth, 1, 1)
+            at_least("loader.threads", self.threads, 1, 4)
+
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
-        for key, value, fix in (("depth", cfg.depth, 1), ("threads", cfg.threads, 4)):
-            if value < 1:
-                raise ConfigError(f"loader.{key} must be >= 1 (got {value}): set loader.{key}={fix}")
         start = time.perf_counter()
         n, rows = len(dataset), min(cfg.batch_size, len(dataset))
         self.num_slots = cfg.depth + cfg.threads + 1

@@ -29,26 +29,38 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Deque, Iterator
 
 import torch
 
-from trainer.errors import ConfigError, RunFailed
-from trainer.loaders.base import DeviceLoader, pinned_empty
+from trainer.errors import RunFailed, at_least
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
 from trainer.loaders.order import Shard, epoch_shard
 from trainer.memory import check_gpu_fits, check_host_fits, chunk_samples_for
 
 HOLD = 1  # batches a consumer may ask for before the step on a batch is queued (Lightning's fetcher: 1)
 
 
+@LOADERS.register
 class PinnedUvaLoader(DeviceLoader):
     needs_cuda = True
 
+    @dataclass
+    class Config(LoaderConfig):
+        """Rows gathered by one GPU kernel straight out of page-locked host memory, `depth` batches ahead."""
+
+        name: str = "pinned_uva"
+        depth: int = 2  # batches gathered ahead on the side stream (depth + 2 device slots)
+        ctas: int = 4  # thread blocks of the gather kernel: few leave the SMs to a GPU-bound step; 16-32 for a copy-bound run
+
+        def __post_init__(self):
+            super().__post_init__()
+            at_least("loader.depth", self.depth, 1, 2)
+            at_least("loader.ctas", self.ctas, 1, 4)
+
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
-        for key, value, fix in (("depth", cfg.depth, 2), ("ctas", cfg.ctas, 4)):
-            if value < 1:
-                raise ConfigError(f"loader.{key} must be >= 1 (got {value}): set loader.{key}={fix}")
         start = time.perf_counter()
         n, rows = len(dataset), min(cfg.batch_size, len(dataset))
         check_host_fits(dataset.nbytes + n * 8,

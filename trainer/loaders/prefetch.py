@@ -1,18 +1,29 @@
 """`prefetch`: pinned batches copied on a side CUDA stream `depth` batches ahead, so the copy
 of batch k+1 runs while the step on batch k computes (seed 001's request, done with streams)."""
 
-from trainer.loaders.base import DeviceLoader
+from dataclasses import dataclass
+
+from trainer.errors import at_least
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
 from trainer.loaders.stream import SideStreamCopier
 
 
+@LOADERS.register
 class PrefetchLoader(DeviceLoader):
     needs_cuda = True
 
+    @dataclass
+    class Config(LoaderConfig):
+        name: str = "prefetch"
+        depth: int = 1  # batches copied ahead on the side stream
+
+        def __post_init__(self):
+            super().__post_init__()
+            at_least("loader.depth", self.depth, 1, 1)
+
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
-        if cfg.depth < 1:
-            raise ValueError(f"loader.depth must be >= 1 (got {cfg.depth}): set loader.depth=1")
         self.dataloader = self._dataloader(pin_memory=True)
         self.copier = SideStreamCopier(self, cfg.depth)  # one stream for the loader's lifetime
 

@@ -23,11 +23,12 @@ rows one process draws; their numbers of batches differ when the chunks do not s
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from trainer.errors import ConfigError
-from trainer.loaders.base import DeviceLoader
+from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
 from trainer.memory import check_host_fits
 
@@ -35,12 +36,24 @@ VARIANTS = ("no_pinning", "copy_in_loader", "pin_batches", "pin_chunk")
 IN_PROCESS = ("copy_in_loader", "pin_chunk")  # touch CUDA while loading: DataLoader workers cannot
 
 
+@LOADERS.register
 class SeedIterableLoader(DeviceLoader):
+    @dataclass
+    class Config(LoaderConfig):
+        """Seed 000's own DataLoader over its IterableDataset (dataset=synthetic only)."""
+
+        name: str = "seed_iterable"
+        variant: str = "pin_batches"  # no_pinning | copy_in_loader | pin_batches | pin_chunk: the seed's four
+
+        def __post_init__(self):
+            super().__post_init__()
+            if self.variant not in VARIANTS:
+                raise ConfigError(f"loader.variant must be one of {', '.join(VARIANTS)} (got {self.variant!r}): "
+                                  f"set loader.variant=pin_batches")
+
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
         variant = cfg.variant
-        if variant not in VARIANTS:
-            raise ConfigError(f"loader.variant must be one of {', '.join(VARIANTS)} (got {variant!r}): set loader.variant=pin_batches")
         if not hasattr(dataset, "iterable"):
             raise ConfigError(f"loader=seed_iterable draws from seed 000's synthetic chunks (got dataset={dataset.cfg.name}): "
                               "set dataset=synthetic")

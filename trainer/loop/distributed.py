@@ -44,12 +44,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import ConfigError, Interrupted, RunFailed
+from trainer.launch import LAUNCH_TIME_ENV
 from trainer.loaders.order import Shard
 from trainer.loop.engine import planned_steps
 from trainer.loop.verify import combine_ranks
 from trainer.tools.limits import h2d_burst
 
-LAUNCH_TIME_ENV = "FEEDBENCH_LAUNCH_TIME"  # rank 0's launch time, read by the `launch_time` resolver
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "gpu_busy_fraction",
             "median_step_ms", "timed_wall_s")
@@ -136,13 +136,6 @@ def quiet_other_ranks() -> None:
     through the store. HYDRA_FULL_ERROR=1 keeps every rank's output, with full traces."""
     if world()[1] > 1 and not is_main_process() and os.environ.get("HYDRA_FULL_ERROR") != "1":
         sys.stdout = sys.stderr = open(os.devnull, "w")
-
-
-def launch_time(pattern: str) -> str:
-    """`${launch_time:%H-%M-%S}`: rank 0's start under torchrun (one output folder for every
-    rank, where `${now:}` would differ between them), else now."""
-    stamp = os.environ.get(LAUNCH_TIME_ENV)
-    return (datetime.fromisoformat(stamp) if stamp else datetime.now()).strftime(pattern)
 
 
 def set_threads(ranks_on_host: int) -> None:

@@ -89,14 +89,14 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
     to call where the timed region begins (a harness's pause, `trainer.tools.turns`)."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
-        validate(cfg)
+        job = validate(cfg)  # the typed sections each part is built from
         device = ranks.device(select_device(cfg.engine.device))  # this rank's GPU, current from here on
         ranks.validate(cfg)
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
     # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
     with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
-        parts = build(cfg, device, ranks, tracker, on_timed_start)
+        parts = build(cfg, job, device, ranks, tracker, on_timed_start)
         journal = _journal(parts, tracker) if ranks.is_main else None
         error = None
         try:
@@ -134,20 +134,21 @@ def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tupl
         yield stop, tracker
 
 
-def build(cfg, device: torch.device, ranks: Ranks, tracker, on_timed_start: Sequence[Callable] = ()) -> Parts:
-    """The parts, each from its own config section; checks that need the dataset come first."""
+def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start: Sequence[Callable] = ()) -> Parts:
+    """The parts, each from its own typed section of `job` (`validate`); checks that need the
+    dataset come first."""
     mem_base = gpu_memory_baseline(device)
     with ranks.agree():
-        dataset = build_dataset(cfg.dataset)
-        check_against_dataset(cfg, dataset)
+        dataset = build_dataset(job.dataset)
+        check_against_dataset(job, dataset)
         check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
-        loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
+        loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
     graphed = cfg.engine.cuda_graph and device.type == "cuda"
     degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
     tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
     if degraded:
         print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-    model = ranks.wrap(build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
+    model = ranks.wrap(build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
     optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
     planned = planned_steps(cfg.engine, loader)
     warn_untimed(planned, cfg.engine.warmup_steps)

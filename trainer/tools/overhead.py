@@ -72,7 +72,7 @@ def compose_config(overrides: Sequence[str]):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    import trainer.config  # noqa: F401  (registers the schemas)
+    import trainer.components  # noqa: F401  (registers every dataset, loader and model option)
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose("config", overrides=list(overrides))
