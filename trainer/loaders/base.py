@@ -8,7 +8,7 @@ import torch
 
 from datasets.base import FeedDataset
 from trainer.config import plain
-from trainer.loaders.order import EpochSampler, Shard
+from trainer.loaders.order import EpochSampler, Shard, epoch_shard
 from trainer.memory import check_host_fits, chunk_samples_for
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
@@ -62,6 +62,11 @@ class DeviceLoader:
         """Release workers, threads and buffers (also called on interrupt)."""
         self._stop_workers()
 
+    def _epoch_rows(self, epoch: int) -> torch.Tensor:
+        """This rank's samples of `epoch`, batch after batch: its batch i is rows i*B .. i*B+B-1."""
+        cfg = self.cfg
+        return epoch_shard(len(self.dataset), cfg.shuffle, self.seed, epoch, self.shard, cfg.batch_size, cfg.drop_last)
+
     def _batches(self) -> Iterator[Batch]:
         """Iterate the DataLoader, remembering the live iterator so its workers can be stopped
         the moment the pass ends or fails, not whenever the iterator is garbage-collected (a
@@ -113,8 +118,8 @@ class DeviceLoader:
         return torch.utils.data.DataLoader(
             self.dataset.per_sample(),
             batch_size=cfg.batch_size,
-            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed, self.shard),
-            drop_last=cfg.drop_last,
+            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed, self.shard, cfg.batch_size, cfg.drop_last),
+            drop_last=False,  # the sampler has dropped the epoch's partial batch, once for all ranks
             num_workers=workers,
             pin_memory=pin_memory and self.on_cuda,
             prefetch_factor=cfg.prefetch_factor if workers > 0 else None,

@@ -4,11 +4,17 @@ The data is loaded chunk by chunk straight into page-locked buffers allocated on
 `.pin_memory()` copy of a pageable tensor). Batches are contiguous slices of the chunk, so they
 stay pinned (a fancy-indexed gather would not), and are copied on a side stream like `prefetch`.
 Shuffling permutes the order of the batches within each chunk every epoch (and, with
-`shuffle_rows`, the rows of a chunk once when it is loaded). With several chunks, two buffers
-alternate: the next chunk loads in a background thread while the current one is being copied.
+`shuffle_rows`, the rows of a chunk once when it is loaded); `drop_last` drops the grid's short
+last batch, the same rows every epoch (a per-sample shuffle drops other samples each epoch).
+With several chunks, two buffers alternate: the next chunk loads in a background thread while
+the current one is being copied.
 
-Under torchrun every rank loads every chunk and keeps every `world_size`-th batch of the
-epoch's sequence (`Shard`): batches, not samples, are split, as they are contiguous slices.
+Under torchrun every rank loads every chunk and is dealt every `world_size`-th batch of the
+epoch's sequence of batches, as with every strategy (`trainer.loaders.order`). Unshuffled, each
+rank gets exactly `baseline`'s batches. Shuffled, the ranks are dealt this strategy's own sequence
+(batches permuted within each chunk): the same split of a different order, so a rank's batches
+differ from `baseline`'s, and without `drop_last` the epoch's short batch may fall to any rank
+(it is still one batch: every rank has as many batches as under any other strategy).
 
 Batches follow the same grid as every other strategy (batch j holds samples j*B .. j*B+B-1), so
 without shuffling they are byte-identical to `baseline`'s. A batch that straddles two chunks is
@@ -57,15 +63,6 @@ class PinnedChunkLoader(DeviceLoader):
         self.ready = self._load(0, 0)  # (chunk, buffer, x, y), or a Future of it
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
-
-    def batches_per_rank(self) -> list:
-        """The ranks split the epoch's batches (not its samples): every `world_size`-th each."""
-        n, b = len(self.dataset), self.cfg.batch_size
-        total = n // b if self.cfg.drop_last else -(-n // b)
-        return [self.shard.size(total, rank=r) for r in range(self.shard.world_size)]
-
-    def __len__(self) -> int:
-        return self.batches_per_rank()[self.shard.rank]
 
     def _wait_free(self, buffer: int) -> None:
         """Block until no issued copy still reads `buffer`."""
@@ -126,7 +123,7 @@ class PinnedChunkLoader(DeviceLoader):
                 xs, ys, source = items[i]
                 if self.cfg.drop_last and len(xs) < b:
                     continue
-                position, mine = position + 1, position % self.shard.world_size == self.shard.rank
+                position, mine = position + 1, self.shard.owns(position)
                 if not mine:  # under torchrun: another rank's batch (every world_size-th is this rank's)
                     continue
                 # A contiguous slice of a page-locked buffer is page-locked too.

@@ -33,7 +33,7 @@ import torch
 
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders.base import DeviceLoader, pinned_empty
-from trainer.loaders.order import Shard, epoch_shard
+from trainer.loaders.order import Shard
 from trainer.loaders.stream import SideStreamCopier
 from trainer.memory import check_host_fits, chunk_samples_for
 
@@ -128,7 +128,7 @@ class PinnedGatherLoader(DeviceLoader):
         """`(epoch, batch, rows)` of every batch from `epoch` on, epoch after epoch."""
         b, count = self.cfg.batch_size, len(self)
         while count:
-            order = epoch_shard(len(self.x), self.cfg.shuffle, self.seed, epoch, self.shard).numpy()  # this rank's
+            order = self._epoch_rows(epoch).numpy()  # this rank's batches, end to end
             for i in range(count):
                 yield epoch, i, order[i * b:(i + 1) * b]
             epoch += 1
