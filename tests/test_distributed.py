@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from clirun import LONG, all_runs, steps_csv, wait_for_running
+from conftest import CONF_DIR
 from datasets import build_dataset
 from trainer.config import SCHEMAS
 from trainer.loaders import build_loader
@@ -412,6 +414,13 @@ def test_torchrun_four_ranks_with_drop_last_train_on_the_one_process_batches(tmp
         assert r.data.tags["epoch_checksums"] == alone[strategy if strategy == "pinned_chunk" else "baseline"], strategy
         if strategy != "pinned_chunk":
             assert r.data.tags["data_checksum_by_rank"].split(",") == by_rank, strategy
+
+
+def test_multi_gpu_preset_sweeps_every_strategy_of_baselines_samples():
+    """The README's multi-GPU table covers every strategy (seed_iterable reproduces seed 000 instead)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=multi_gpu"], return_hydra_config=True)
+    assert sorted(cfg.hydra.sweeper.params.loader.split(",")) == sorted(SAME_SAMPLES)
 
 
 def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking_uri):
