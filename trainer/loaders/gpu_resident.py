@@ -56,7 +56,7 @@ class GpuResidentLoader(DeviceLoader):
                 x, y = self.x[i * b:(i + 1) * b], self.y[i * b:(i + 1) * b]
             yield self.dataset.on_device(x), y
 
-    def close(self):
+    def _release(self):
         self.x = self.y = None
 
 
