@@ -13,11 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from clirun import LONG, all_runs, steps_csv, wait_for_running
+from conftest import CONF_DIR
 from datasets import build_dataset
+from trainer.config import SCHEMAS
 from trainer.loaders import build_loader
 from trainer.loaders.order import Shard
 from trainer.loop import distributed
@@ -29,8 +32,10 @@ from trainer.loop.verify import Checksum, combine_ranks
 from trainer.tools import scaling
 from trainer.tracking import report, sweep
 
-STRATEGIES = ["baseline", "pinned", "prefetch", "pinned_chunk", "gpu_resident", "seed_iterable"]
-# 101 samples over 2 ranks: 51 and 50; in batches of 16, 4 each; in batches of 25, 3 and 2.
+STRATEGIES = list(SCHEMAS["loader"])
+SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
+# 101 samples over 2 ranks: in batches of 17, 6 batches, 3 each (51 and 50 samples); in batches of
+# 25, 5 batches: 3 and 2.
 SMALL = ["dataset.num_samples=101", "dataset.shape=[4,4]", "engine.warmup_steps=1",
          "engine.progress=false", "engine.device=cpu", "model=mlp", "model.hidden=8"]
 
@@ -68,12 +73,58 @@ def test_ranks_split_every_epoch_exactly_once(tiny_cfg, strategy):
     assert sorted(parts[0][0]) != sorted(parts[1][0])
 
 
-def test_shard_sizes_and_batches():
-    assert [Shard(r, 3).size(10) for r in range(3)] == [4, 3, 3]
+def test_shard_deals_the_epochs_batches_in_turn():
+    """Batch j of the epoch goes to rank j % world_size; drop_last drops the epoch's partial batch once."""
+    assert [Shard(r, 4).batches(1000, 64, drop_last=True) for r in range(4)] == [4, 4, 4, 3]  # 15 full batches
+    assert [Shard(r, 4).batches(1000, 64, drop_last=False) for r in range(4)] == [4, 4, 4, 4]
     assert [Shard(r, 2).batches(129, 64, drop_last=False) for r in range(2)] == [2, 1]
     assert [Shard(r, 2).batches(129, 64, drop_last=True) for r in range(2)] == [1, 1]
-    assert Shard().take(torch.arange(5)).tolist() == [0, 1, 2, 3, 4]
-    assert Shard(1, 2).take(torch.arange(5)).tolist() == [1, 3]
+    order = torch.arange(7)
+    assert Shard().take(order, 2, drop_last=False).tolist() == [0, 1, 2, 3, 4, 5, 6]
+    assert Shard().take(order, 2, drop_last=True).tolist() == [0, 1, 2, 3, 4, 5]
+    assert [Shard(r, 2).take(order, 2, drop_last=False).tolist() for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6]]
+    assert [Shard(r, 3).take(order, 2, drop_last=False).tolist() for r in range(3)] == [[0, 1, 6], [2, 3], [4, 5]]
+    assert [Shard(r, 3).take(order, 2, drop_last=True).tolist() for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    for n, b, world in ((7, 2, 2), (7, 2, 3), (1000, 64, 4), (3, 4, 2), (8, 4, 2)):
+        for drop in (False, True):
+            for r in range(world):
+                shard = Shard(r, world)
+                assert shard.samples(n, b, drop) == len(shard.take(torch.arange(n), b, drop)), (n, b, world, drop, r)
+
+
+def one_pass(loader) -> list:
+    """One pass of `loader`: each batch as a tuple of its samples, (bytes, label)."""
+    return [tuple((x.numpy().tobytes(), int(label)) for x, label in zip(xb, yb)) for xb, yb in loader]
+
+
+@pytest.mark.parametrize("shuffle", ["true", "false"])
+def test_ranks_are_dealt_the_one_process_batches_in_turn(tiny_cfg, shuffle):
+    """1000 samples, batches of 64, drop_last, 4 ranks: each epoch's order is cut once into one
+    process's 15 full batches, and rank r gets batches r, r + 4, ... (4, 4, 4 and 3 of them), for
+    every strategy. The ranks together see the 960 distinct samples one process sees, and each
+    rank's batches are baseline's (pinned_chunk deals its own shuffled sequence the same way)."""
+    world, cpu = 4, torch.device("cpu")
+    dealt = {}
+    for strategy in SAME_SAMPLES:
+        cfg = tiny_cfg(f"loader={strategy}", "dataset.num_samples=1000", "dataset.shape=[2,2]", "dataset.chunks=3",
+                       "loader.batch_size=64", "loader.drop_last=true", f"loader.shuffle={shuffle}")
+        ds = build_dataset(cfg.dataset)
+        with build_loader(cfg.loader, ds, cpu, seed=5) as alone:
+            whole = [one_pass(alone) for _ in range(2)]
+        ranks = []
+        for r in range(world):
+            with build_loader(cfg.loader, ds, cpu, seed=5, shard=Shard(r, world)) as loader:
+                assert loader.batches_per_rank() == [4, 4, 4, 3] and len(loader) == [4, 4, 4, 3][r]
+                ranks.append([one_pass(loader) for _ in range(2)])
+        for epoch in range(2):
+            assert len(whole[epoch]) == 15 and {len(b) for b in whole[epoch]} == {64}
+            for r in range(world):
+                assert ranks[r][epoch] == whole[epoch][r::world], (strategy, epoch, r)
+            assert len({sample for rank in ranks for batch in rank[epoch] for sample in batch}) == 960
+        dealt[strategy] = ranks
+    for strategy in SAME_SAMPLES:
+        if shuffle == "false" or strategy != "pinned_chunk":
+            assert dealt[strategy] == dealt["baseline"], strategy
 
 
 def test_checksums_of_shards_combine_into_the_whole():
@@ -85,13 +136,13 @@ def test_checksums_of_shards_combine_into_the_whole():
         whole.update(x[order], y[order])
         whole.end_epoch()
         for r, c in enumerate(ranks):
-            part = Shard(r, 2).take(order)
+            part = Shard(r, 2).take(order, 2, drop_last=False)
             for b in range(0, len(part), 2):
                 c.update(x[part[b:b + 2]], y[part[b:b + 2]])
             c.end_epoch()
     combined = combine_ranks([c.result() for c in ranks])
     assert combined["epoch_checksums"] == whole.result()["epoch_checksums"]
-    assert combined["verified_batches"] == 12  # 2 epochs x 2 ranks x 3 batches
+    assert combined["verified_batches"] == 10  # 2 epochs x 5 batches, dealt 3 and 2
     assert combined["data_checksum_by_rank"].split(",") == [c.result()["data_checksum"] for c in ranks]
     swapped = combine_ranks([c.result() for c in reversed(ranks)])
     assert swapped["data_checksum"] != combined["data_checksum"]  # the ranks' own orders count
@@ -281,12 +332,12 @@ def alive(pids) -> list:
 
 def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path, tracking_uri, tiny_cfg):
     """`torchrun --nproc_per_node=2 -m trainer -m ...` with gloo: the jobs with a bad value fail
-    (printed once each; every rank goes on to the next job); batches of 16 train with DDP and
+    (printed once each; every rank goes on to the next job); batches of 17 train with DDP and
     finish: one FINISHED run tagged world_size=2 whose epoch checksums equal a single process's.
     With batches of 25 the shards give the ranks different numbers of steps per epoch: over
     `engine.epochs`, DDP's join lets the longer one finish; with `engine.max_steps` every rank
     takes max_steps, as one process would, and no join is needed."""
-    proc = torchrun(tmp_path, tracking_uri, "-m", "loader.batch_size=0,16,25", "engine.max_steps=0,7", *SMALL,
+    proc = torchrun(tmp_path, tracking_uri, "-m", "loader.batch_size=0,17,25", "engine.max_steps=0,7", *SMALL,
                     "engine.epochs=2", "engine.verify=true", f"hydra.sweep.dir={tmp_path}/sweep/${{launch_time:%H-%M-%S-%f}}",
                     start_new_session=True)
     out, err = proc.communicate(timeout=300)
@@ -304,29 +355,73 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     for (batch, _), r in jobs.items():
         assert r.info.status == ("FAILED" if batch == 0 else "FINISHED")
     assert "loader.batch_size" in jobs[0, 0].data.tags["error"]
-    done, uneven = jobs[16, 0], jobs[25, 0]
+    done, uneven = jobs[17, 0], jobs[25, 0]
     assert uneven.data.tags["steps_per_rank"] == "6,4" and uneven.data.metrics["total_samples"] == 202
     assert (uneven.data.tags["ddp_join"], done.data.tags["ddp_join"]) == ("true", "false")
-    # max_steps=7: 4 + 3 steps of 16 on each rank; 3 passes of 25, 25, 1 on rank 0, 4 of 25, 25 on rank 1
-    for batch, samples in ((16, 99 + 98), (25, 127 + 175)):
+    # max_steps=7: 3 + 3 + 1 steps of 17, 17, 17 on rank 0 and of 17, 17, 16 on rank 1;
+    # 3 passes of 25, 25, 1 on rank 0, 4 of 25, 25 on rank 1
+    for batch, samples in ((17, 119 + 117), (25, 127 + 175)):
         r = jobs[batch, 7]
         assert (r.data.tags["steps_per_rank"], r.data.tags["ddp_join"]) == ("7,7", "false")
         assert (r.data.metrics["total_steps"], r.data.metrics["total_samples"]) == (7, samples)
-    assert (done.data.tags["world_size"], done.data.tags["backend"], done.data.tags["steps_per_rank"]) == ("2", "gloo", "8,8")
+    assert (done.data.tags["world_size"], done.data.tags["backend"], done.data.tags["steps_per_rank"]) == ("2", "gloo", "6,6")
     m = done.data.metrics
-    assert m["total_samples"] == 202 and m["total_steps"] == 8
+    assert m["total_samples"] == 202 and m["total_steps"] == 6
     assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "gpu_busy_fraction")} <= set(m)
     assert m["aggregate_h2d_GBps"] == m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
-    assert len(steps_csv(tracking_uri, done.info.run_id)) == 8
+    assert len(steps_csv(tracking_uri, done.info.run_id)) == 6
     assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}
 
-    single = tiny_cfg(*SMALL, "loader.batch_size=16", "engine.epochs=2", "engine.verify=true", "tracking.experiment=single")
+    single = tiny_cfg(*SMALL, "loader.batch_size=17", "engine.epochs=2", "engine.verify=true", "tracking.experiment=single")
     assert run(single)["total_samples"] == 202
     (alone,) = all_runs(tracking_uri, "single")
     assert alone.data.tags["world_size"] == "1"
     epochs = ast.literal_eval(done.data.tags["epoch_checksums"])
     assert epochs == ast.literal_eval(alone.data.tags["epoch_checksums"]) and len(epochs) == 2
-    assert (int(done.data.tags["verified_batches"]), int(alone.data.tags["verified_batches"])) == (16, 14)
+    # the ranks trained on exactly one process's batches, dealt in turn
+    assert int(done.data.tags["verified_batches"]) == int(alone.data.tags["verified_batches"]) == 12
+
+
+def test_torchrun_four_ranks_with_drop_last_train_on_the_one_process_batches(tmp_path, tracking_uri, tiny_cfg):
+    """gloo, 4 ranks, 1000 samples in batches of 64 with drop_last, every strategy: the ranks take
+    4, 4, 4 and 3 steps over the 960 samples one process trains on (equal epoch checksums), and
+    each rank hashes exactly the batches its shard yields in one process (`data_checksum_by_rank`),
+    whatever the strategy. (pinned_chunk shuffles whole batches: it deals its own sequence, and
+    drop_last drops the same rows every epoch, not baseline's last 40 of a per-sample shuffle.)"""
+    size = ["dataset.num_samples=1000", "dataset.shape=[4,4]", "loader.batch_size=64", "loader.drop_last=true",
+            "engine.epochs=1", "engine.verify=true", "engine.warmup_steps=1", "engine.progress=false",
+            "engine.device=cpu", "model=mlp", "model.hidden=8"]
+    proc = torchrun(tmp_path, tracking_uri, "-m", f"loader={','.join(SAME_SAMPLES)}", *size,
+                    f"hydra.sweep.dir={tmp_path}/sweep", nproc=4, start_new_session=True)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    jobs = {r.data.tags["strategy"]: r for r in all_runs(tracking_uri) if r.data.tags.get("sweep") != "true"}
+    assert sorted(jobs) == sorted(SAME_SAMPLES)
+
+    for strategy in ("baseline", "pinned_chunk"):
+        run(tiny_cfg(*size, f"loader={strategy}", "tracking.experiment=single"))
+    alone = {r.data.tags["strategy"]: r.data.tags["epoch_checksums"] for r in all_runs(tracking_uri, "single")}
+    cfg = tiny_cfg(*size, "loader=baseline")
+    dataset, cpu, by_rank = build_dataset(cfg.dataset), torch.device("cpu"), []
+    for rank in range(4):  # each rank's batches, hashed in this process
+        checksum = Checksum(cpu)
+        with build_loader(cfg.loader, dataset, cpu, seed=cfg.engine.seed, shard=Shard(rank, 4)) as loader:
+            for x, y in loader:
+                checksum.update(x, y)
+        by_rank.append(checksum.result()["data_checksum"])
+    for strategy, r in jobs.items():
+        assert (r.info.status, r.data.tags["steps_per_rank"]) == ("FINISHED", "4,4,4,3"), strategy
+        assert r.data.metrics["total_samples"] == 960
+        assert r.data.tags["epoch_checksums"] == alone[strategy if strategy == "pinned_chunk" else "baseline"], strategy
+        if strategy != "pinned_chunk":
+            assert r.data.tags["data_checksum_by_rank"].split(",") == by_rank, strategy
+
+
+def test_multi_gpu_preset_sweeps_every_strategy_of_baselines_samples():
+    """The README's multi-GPU table covers every strategy (seed_iterable reproduces seed 000 instead)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose("config", overrides=["experiment=multi_gpu"], return_hydra_config=True)
+    assert sorted(cfg.hydra.sweeper.params.loader.split(",")) == sorted(SAME_SAMPLES)
 
 
 def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking_uri):

@@ -154,9 +154,12 @@ def test_stress_random_delays_10k_batches_no_mismatch(strategy, tiny_cfg):
     assert mismatches == 0
 
 
-def _host_pinned_bytes():
-    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
-    return stats.get("reserved_bytes.current", stats.get("allocated_bytes.all.current", 0))
+def _host_pinned_bytes() -> int:
+    """Page-locked bytes PyTorch's caching host allocator holds: its blocks in use and those it keeps cached."""
+    stats = torch.cuda.host_memory_stats()
+    if "allocated_bytes.current" not in stats:
+        pytest.skip("this torch reports no pinned-memory statistics")
+    return stats["allocated_bytes.current"]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -173,6 +176,79 @@ def test_no_memory_growth_over_20_epochs(strategy, tiny_cfg):
     loader.close()
     assert reserved[2:] == [reserved[2]] * 18, reserved
     assert pinned[2:] == [pinned[2]] * 18, pinned
+
+
+@pytest.mark.parametrize("strategy", ["pinned_chunk", "pinned_gather"])
+def test_pinned_bytes_are_what_the_host_allocator_reserves_and_close_gives_them_back(strategy, tiny_cfg):
+    """Buffers of sizes that are no power of two: `pinned_bytes` (the run's `pinned_host_mb`) is the
+    allocator's growth, rounding included; after close() it holds what it held before (nothing
+    kept cached for the rest of the process)."""
+    torch.empty(1, device="cuda")
+    torch.cuda.synchronize()
+    torch._C._host_emptyCache()
+    before = _host_pinned_bytes()
+    cfg = gpu(tiny_cfg, f"loader={strategy}", "dataset.chunks=3")
+    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
+    held = [t for pair in loader.buffers for t in pair] if strategy == "pinned_chunk" else [loader.slots_x, loader.slots_y]
+    assert loader.pinned_bytes == _host_pinned_bytes() - before > sum(t.nbytes for t in held)
+    for _ in range(2):
+        for x, _y in loader:
+            x.sum()
+    for i, (x, _y) in enumerate(loader):  # a pass abandoned with copies in flight
+        if i == 3:
+            break
+    loader.close()
+    assert _host_pinned_bytes() == before
+
+
+@pytest.mark.parametrize("strategy", ["prefetch", "pinned_chunk", "pinned_gather"])
+def test_side_stream_strategies_make_every_cuda_event_before_the_first_batch(strategy, tiny_cfg, monkeypatch):
+    """PyTorch creates a CUDA event at its first record: every event a loader uses is made and
+    recorded once when it is built, and none is made per batch or per epoch."""
+    made = []
+
+    class Counted(torch.cuda.Event):
+        def __new__(cls, *args, **kwargs):
+            made.append(cls)
+            return super().__new__(cls, *args, **kwargs)
+    monkeypatch.setattr(torch.cuda, "Event", Counted)
+    cfg = gpu(tiny_cfg, f"loader={strategy}", "dataset.chunks=3", "loader.depth=2")
+    with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda")) as loader:
+        owned = loader.copier.ring + (getattr(loader, "slot_events", None) or getattr(loader, "buffer_events", None) or [])
+        assert len(made) == len(owned) and all(e.cuda_event for e in owned)  # real CUDA events already
+        for _ in range(2):
+            for x, _y in loader:
+                x.sum()
+        torch.cuda.synchronize()
+    assert len(made) == len(owned)
+
+
+def test_pinned_chunk_load_thread_sleeps_on_the_runs_gpu_while_a_copy_reads_its_buffer(tiny_cfg):
+    """The load thread selects the loader's device (the last GPU here) and, while the copies that
+    read the buffer it is to refill are still queued (each delayed on the side stream), waits
+    asleep on a blocking event rather than spinning a core."""
+    device = torch.device(f"cuda:{torch.cuda.device_count() - 1}")
+    cfg = gpu(tiny_cfg, "loader=pinned_chunk", "dataset.chunks=4", "loader.shuffle=false")
+    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), device)
+    wait_free, copy, waits = loader._wait_free, loader._copy, []
+
+    def timed_wait(buffer):
+        if not threading.current_thread().name.startswith("chunk-load"):
+            return wait_free(buffer)
+        wall, cpu = time.perf_counter(), time.thread_time()
+        wait_free(buffer)
+        waits.append((torch.cuda.current_device(), time.perf_counter() - wall, time.thread_time() - cpu))
+
+    def late_copy(batch, non_blocking):
+        torch.cuda._sleep(50_000_000)  # tens of ms on the side stream before this copy reads its buffer
+        return copy(batch, non_blocking)
+    loader._wait_free, loader._copy = timed_wait, late_copy
+    with loader:
+        assert len(list(loader)) == 32
+        torch.cuda.synchronize(device)
+    assert waits and {d for d, _, _ in waits} == {device.index}
+    long = [(wall, cpu) for _, wall, cpu in waits if wall > 0.02]
+    assert long and all(cpu < 0.5 * wall for wall, cpu in long), long
 
 
 def test_graphed_step_trains_like_the_eager_one(tiny_cfg):

@@ -15,7 +15,9 @@ from datasets import build_dataset
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import LOADERS, build_loader
 from trainer.loaders.order import epoch_order
+from trainer.loaders.pinned_chunk import PinnedChunkLoader
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
+from trainer.memory import chunk_samples_for, host_buffer_bytes
 from trainer.loop.run import run
 from trainer.loop.verify import Checksum
 
@@ -104,6 +106,30 @@ def test_drop_last_drops_the_partial_batch(tiny_cfg):
         with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu")) as loader:
             sizes = [len(x) for x, _ in loader]
         assert sizes == [40, 40] and len(loader) == 2, s
+
+
+def test_pinned_chunk_load_thread_selects_the_runs_device(tiny_cfg, monkeypatch):
+    """The background load selects the loader's device before it touches CUDA (it waits on copy
+    events): without it every rank's load thread would make a context on GPU 0."""
+    selected = []
+    monkeypatch.setattr(PinnedChunkLoader, "_thread_device", lambda self: 3)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: selected.append((threading.current_thread().name, index)))
+    cfg = tiny_cfg("loader=pinned_chunk", "dataset.chunks=3")
+    with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu")) as loader:
+        assert len(list(loader)) == 6
+    assert len(selected) == 3  # chunks 1, 2 and the next epoch's 0, each loaded in the background
+    assert all(name.startswith("chunk-load") and index == 3 for name, index in selected), selected
+
+
+def test_pinned_memory_is_counted_as_the_host_allocator_rounds_it():
+    """PyTorch's caching host allocator pins a power of two per request: the memory checks and
+    `pinned_host_mb` count that, and a suggested chunk size still fits once rounded."""
+    sizes = (0, 1, 2, 3, 4096, 4097, 3 * 2**20)
+    assert [host_buffer_bytes(n, pinned=True) for n in sizes] == [0, 1, 2, 4, 4096, 8192, 4 * 2**20]
+    assert [host_buffer_bytes(n, pinned=False) for n in sizes] == list(sizes)  # pageable: what was asked
+    for sample_bytes, free in ((256 * 256 * 4 + 8, 10 * 2**30), (3 * 32 * 32 + 8, 7 * 2**30 + 5), (100, 1000)):
+        rows = chunk_samples_for(sample_bytes, free)
+        assert 2 * host_buffer_bytes(rows * sample_bytes, pinned=True) <= free // 2
 
 
 def test_pinned_chunk_rejects_chunks_smaller_than_a_batch(tiny_cfg):
@@ -261,6 +287,33 @@ def test_pinned_gather_thread_that_cannot_select_its_device_fails_the_run(tiny_c
     assert r.info.status == "FAILED" and "gather thread failed" in r.data.tags["error"]
     assert r.data.metrics["total_steps"] == 0
     assert not gather_threads()
+
+
+@pytest.mark.parametrize("where", ["fence", "join"])
+def test_pinned_gather_close_interrupted_leaves_no_thread_running(tiny_cfg, monkeypatch, gather_threads, where):
+    """Ctrl-C inside close(), while it waits for the running gathers (the fence) or for a thread to
+    exit (a join): every gather thread has still exited when the interrupt propagates, and the
+    loader is closed."""
+    _, gather = _pair(tiny_cfg, "loader.batch_size=8", threads=3)
+    passing = iter(gather)
+    next(passing)
+    passing.close()  # the pass is abandoned; the threads live until close()
+    assert len(gather_threads()) == 3
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    if where == "fence":
+        monkeypatch.setattr(gather, "_drop_gathers", interrupted)
+    else:
+        join, calls = threading.Thread.join, []
+
+        def join_interrupted_once(thread, timeout=None):
+            calls.append(thread)
+            return interrupted() if len(calls) == 1 else join(thread, timeout)
+        monkeypatch.setattr(threading.Thread, "join", join_interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        gather.close()
+    assert not gather_threads() and gather.closed
 
 
 @pytest.mark.parametrize("key", ["threads", "depth"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -46,9 +46,34 @@ def check_gpu_fits(needed: int, device: torch.device, what: str, fix: Union[str,
                           f"of {total / 2**30:.2f} GiB is free: {fix(free) if callable(fix) else fix}")
 
 
+def host_buffer_bytes(nbytes: int, pinned: bool) -> int:
+    """Host bytes a buffer of `nbytes` takes. Page-locked, it comes from PyTorch's caching host
+    allocator, which rounds every request up to a power of two (its default): up to twice the size."""
+    if not pinned or nbytes <= 0:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def release_pinned_cache(after: Optional["torch.cuda.Stream"] = None) -> None:
+    """Give back to the system the page-locked blocks no tensor uses any more, once the copies
+    queued on `after` (which may still read them) are done. PyTorch's caching host allocator keeps
+    every freed block pinned for reuse until the process exits: a sweep in one process would hold
+    every size it ever pinned."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        if after is not None:
+            after.synchronize()  # a freed block is released only once the copies reading it are done
+        torch._C._host_emptyCache()
+    except RuntimeError:
+        pass  # the device has failed (a sticky CUDA error the run already reports): nothing to release
+
+
 def chunk_samples_for(sample_bytes: int, free: int) -> int:
-    """`dataset.chunk_samples` that keeps two chunks (what `pinned_chunk` holds) within half of `free`."""
-    return max(1, free // (4 * sample_bytes))
+    """`dataset.chunk_samples` that keeps two chunks (what `pinned_chunk` holds), each rounded up
+    as the host allocator pins it (`host_buffer_bytes`), within half of `free`."""
+    block = 1 << max(0, (free // 4).bit_length() - 1)  # the largest power of two within a quarter of `free`
+    return max(1, block // sample_bytes)
 
 
 def check_model_fits(cfg, dataset, device: torch.device) -> None:

@@ -12,8 +12,8 @@ from omegaconf import MISSING
 from datasets.base import FeedDataset
 from trainer.config import Registry
 from trainer.errors import at_least
-from trainer.loaders.order import EpochSampler, Shard
-from trainer.memory import check_host_fits, chunk_samples_for
+from trainer.loaders.order import EpochSampler, Shard, epoch_shard
+from trainer.memory import check_host_fits, chunk_samples_for, release_pinned_cache
 
 Batch = Tuple[torch.Tensor, torch.Tensor]
 LOADERS = Registry("loader")  # `loader=<name>`: every strategy of trainer/loaders/, registered by its own file
@@ -50,6 +50,7 @@ class DeviceLoader:
     """
 
     needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
+    copier = None  # a strategy that copies on a side stream: its `SideStreamCopier`
 
     def __init__(self, cfg: LoaderConfig, dataset: FeedDataset, device: torch.device, seed: int = 0, shard: Shard = Shard()):
         self.cfg, self.dataset, self.device, self.seed = cfg, dataset, torch.device(device), seed
@@ -83,8 +84,27 @@ class DeviceLoader:
         return None
 
     def close(self) -> None:
-        """Release workers, threads and buffers (also called on interrupt)."""
+        """Release workers, threads and buffers (also called on interrupt; safe to call twice)."""
         self._stop_workers()
+        self._release()
+        if self.on_cuda:  # the page-locked blocks the buffers held, which PyTorch would keep cached
+            release_pinned_cache(after=self.copier.stream if self.copier is not None else None)
+
+    def _release(self) -> None:
+        """Drop this strategy's buffers (by default its DataLoader), so their memory can be freed."""
+        self.dataloader = None
+
+    def _epoch_rows(self, epoch: int) -> torch.Tensor:
+        """This rank's samples of `epoch`, batch after batch: its batch i is rows i*B .. i*B+B-1."""
+        cfg = self.cfg
+        return epoch_shard(len(self.dataset), cfg.shuffle, self.seed, epoch, self.shard, cfg.batch_size, cfg.drop_last)
+
+    def _thread_device(self) -> Optional[int]:
+        """The CUDA device a strategy's own threads select before they touch CUDA (else each would
+        make a context on GPU 0, whatever the rank's device); None on the CPU."""
+        if not self.on_cuda:
+            return None
+        return self.device.index if self.device.index is not None else torch.cuda.current_device()
 
     def _batches(self) -> Iterator[Batch]:
         """Iterate the DataLoader, remembering the live iterator so its workers can be stopped
@@ -137,8 +157,8 @@ class DeviceLoader:
         return torch.utils.data.DataLoader(
             self.dataset.per_sample(),
             batch_size=cfg.batch_size,
-            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed, self.shard),
-            drop_last=cfg.drop_last,
+            sampler=EpochSampler(len(self.dataset), cfg.shuffle, self.seed, self.shard, cfg.batch_size, cfg.drop_last),
+            drop_last=False,  # the sampler has dropped the epoch's partial batch, once for all ranks
             num_workers=workers,
             pin_memory=pin_memory and self.on_cuda,
             prefetch_factor=cfg.prefetch_factor if workers > 0 else None,

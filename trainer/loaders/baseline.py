@@ -24,7 +24,3 @@ class BaselineLoader(DeviceLoader):
     def host_batches(self):
         # A pageable batch copied with non_blocking=True (as Lightning does) still waits on the host.
         return self._batches()
-
-    def close(self):
-        super().close()
-        self.dataloader = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
-from trainer.loaders.order import Shard, epoch_shard
+from trainer.loaders.order import Shard
 from trainer.memory import check_gpu_fits, check_host_fits
 
 
@@ -48,10 +48,10 @@ class GpuResidentLoader(DeviceLoader):
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
-        b, n = self.cfg.batch_size, len(self.x)
+        b = self.cfg.batch_size
         gather = self.cfg.shuffle or not self.shard.whole  # else batches are plain slices
         if gather:
-            order = epoch_shard(n, self.cfg.shuffle, self.seed, epoch, self.shard)
+            order = self._epoch_rows(epoch)
             if self.on_cuda:  # from pinned memory: a pageable copy would wait for every queued step
                 order = order.pin_memory().to(self.device, non_blocking=True)
         for i in range(len(self)):
@@ -62,7 +62,7 @@ class GpuResidentLoader(DeviceLoader):
                 x, y = self.x[i * b:(i + 1) * b], self.y[i * b:(i + 1) * b]
             yield self.dataset.on_device(x), y
 
-    def close(self):
+    def _release(self):
         self.x = self.y = None
 
 

@@ -3,11 +3,15 @@
 All strategies draw their epoch permutation from `epoch_order`, so for the same seed a
 DataLoader-based strategy and a GPU-resident gather visit the samples in the same order.
 
-With several processes (torchrun), every rank computes the same `epoch_order` and keeps its
-`Shard` of it: positions `rank, rank + world_size, rank + 2 * world_size, ...` (as PyTorch's
-DistributedSampler, without its padding). Every sample is visited exactly once per epoch across
-the ranks, and the same seed gives the same split. Ranks may then hold one batch more or fewer
-than each other; `Shard.steps` says how many each has, so the loop can plan for it.
+An epoch's order is cut once into the batches one process would form: batch j holds positions
+j*B .. j*B+B-1, and with `loader.drop_last` the partial batch at the end is dropped, once. With
+several processes (torchrun) every rank cuts the same order and is dealt whole batches in turn:
+the epoch's batch j goes to rank j % world_size (`Shard`). So a run on W ranks trains on exactly
+the batches of a run in one process, dealt round-robin, whatever the strategy: across the ranks
+every sample is visited once per epoch (with drop_last, all but the one process's partial batch),
+and the same seed gives the same split. A rank may hold one batch more than another;
+`Shard.batches` says how many each has, so the loop can plan for it. (`pinned_chunk` deals its own
+sequence of batches the same way; when it shuffles, that sequence is its own: see its docstring.)
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's share of every epoch: every `world_size`-th position, starting at `rank`."""
+    """This rank's share of every epoch: the epoch's batches `rank`, `rank + world_size`, ..."""
 
     rank: int = 0
     world_size: int = 1
@@ -37,38 +41,54 @@ class Shard:
     def whole(self) -> bool:
         return self.world_size == 1
 
-    def take(self, order: torch.Tensor) -> torch.Tensor:
-        """This rank's positions of `order` (all of it in a world of one)."""
-        return order if self.whole else order[self.rank::self.world_size]
-
-    def size(self, n: int, rank: int = -1) -> int:
-        """How many of `n` positions rank `rank` (default: this one) gets."""
-        rank = self.rank if rank < 0 else rank
-        return len(range(rank, n, self.world_size))
+    def owns(self, batch: int) -> bool:
+        """Whether the epoch's batch number `batch` (counted over all ranks) is this rank's."""
+        return batch % self.world_size == self.rank
 
     def batches(self, n: int, batch_size: int, drop_last: bool, rank: int = -1) -> int:
-        """Batches of `batch_size` that rank `rank` forms from its share of `n` samples."""
-        size = self.size(n, rank)
-        return size // batch_size if drop_last else math.ceil(size / batch_size)
+        """Batches rank `rank` (default: this one) gets of an epoch of `n` samples."""
+        total = n // batch_size if drop_last else math.ceil(n / batch_size)
+        return len(range(self.rank if rank < 0 else rank, total, self.world_size))
+
+    def samples(self, n: int, batch_size: int, drop_last: bool) -> int:
+        """Samples this rank gets of an epoch of `n`: its batches' rows."""
+        full = self.batches(n, batch_size, drop_last) * batch_size
+        partial = n % batch_size
+        if partial and not drop_last and self.owns(n // batch_size):  # the epoch's last batch is short
+            return full - batch_size + partial
+        return full
+
+    def take(self, order: torch.Tensor, batch_size: int, drop_last: bool) -> torch.Tensor:
+        """This rank's batches of the epoch `order`, end to end: its own batch i is rows
+        i*B .. i*B+B-1 of the result (the last one may be short, without drop_last)."""
+        full = len(order) - len(order) % batch_size
+        if self.whole:
+            return order[:full] if drop_last else order
+        mine = order[:full].reshape(-1, batch_size)[self.rank::self.world_size].reshape(-1)
+        if drop_last or not self.owns(full // batch_size):
+            return mine
+        return torch.cat([mine, order[full:]])  # the epoch's partial batch (empty when there is none)
 
 
-def epoch_shard(n: int, shuffle: bool, seed: int, epoch: int, shard: Shard) -> torch.Tensor:
-    """This rank's part of `epoch_order(n, shuffle, seed, epoch)`."""
-    return shard.take(epoch_order(n, shuffle, seed, epoch))
+def epoch_shard(n: int, shuffle: bool, seed: int, epoch: int, shard: Shard, batch_size: int,
+                drop_last: bool) -> torch.Tensor:
+    """This rank's batches of `epoch_order(n, shuffle, seed, epoch)`, end to end (`Shard.take`)."""
+    return shard.take(epoch_order(n, shuffle, seed, epoch), batch_size, drop_last)
 
 
 class EpochSampler(torch.utils.data.Sampler[int]):
-    """DataLoader sampler yielding this rank's share of `epoch_order` for epoch 0, 1, 2, ... on
-    successive passes."""
+    """DataLoader sampler yielding this rank's batches of `epoch_order`, end to end, for epoch 0,
+    1, 2, ... on successive passes (the DataLoader cuts them again, with `drop_last=False`)."""
 
-    def __init__(self, n: int, shuffle: bool, seed: int, shard: Shard = Shard()):
+    def __init__(self, n: int, shuffle: bool, seed: int, shard: Shard, batch_size: int, drop_last: bool):
         self.n, self.shuffle, self.seed, self.shard = n, shuffle, seed, shard
+        self.batch_size, self.drop_last = batch_size, drop_last
         self.epoch = 0
 
     def __len__(self) -> int:
-        return self.shard.size(self.n)
+        return self.shard.samples(self.n, self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[int]:
-        order = epoch_shard(self.n, self.shuffle, self.seed, self.epoch, self.shard)
+        order = epoch_shard(self.n, self.shuffle, self.seed, self.epoch, self.shard, self.batch_size, self.drop_last)
         self.epoch += 1
         return iter(order.tolist())

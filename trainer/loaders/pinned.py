@@ -31,7 +31,3 @@ class PinnedLoader(DeviceLoader):
     def host_batches(self):
         # Lightning's own copy is non_blocking: a blocking one (non_blocking=false) stays ours.
         return self._batches() if self.cfg.non_blocking else None
-
-    def close(self):
-        super().close()
-        self.dataloader = None

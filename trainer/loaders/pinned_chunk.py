@@ -4,11 +4,20 @@ The data is loaded chunk by chunk straight into page-locked buffers allocated on
 `.pin_memory()` copy of a pageable tensor). Batches are contiguous slices of the chunk, so they
 stay pinned (a fancy-indexed gather would not), and are copied on a side stream like `prefetch`.
 Shuffling permutes the order of the batches within each chunk every epoch (and, with
-`shuffle_rows`, the rows of a chunk once when it is loaded). With several chunks, two buffers
-alternate: the next chunk loads in a background thread while the current one is being copied.
+`shuffle_rows`, the rows of a chunk once when it is loaded); `drop_last` drops the grid's short
+last batch, the same rows every epoch (a per-sample shuffle drops other samples each epoch).
+With several chunks, two buffers alternate: the next chunk loads in a background thread while
+the current one is being copied.
 
-Under torchrun every rank loads every chunk and keeps every `world_size`-th batch of the
-epoch's sequence (`Shard`): batches, not samples, are split, as they are contiguous slices.
+Under torchrun every rank loads every chunk and is dealt every `world_size`-th batch of the
+epoch's sequence of batches, as with every strategy (`trainer.loaders.order`). Unshuffled, each
+rank gets exactly `baseline`'s batches. Shuffled, the ranks are dealt this strategy's own sequence
+(batches permuted within each chunk): the same split of a different order, so a rank's batches
+differ from `baseline`'s, and without `drop_last` the epoch's short batch may fall to any rank
+(it is still one batch: every rank has as many batches as under any other strategy).
+
+The load thread selects the run's GPU before it touches CUDA (it waits on copy events), and waits
+on blocking events: it sleeps while a copy still reads the buffer it is to refill.
 
 Batches follow the same grid as every other strategy (batch j holds samples j*B .. j*B+B-1), so
 without shuffling they are byte-identical to `baseline`'s. A batch that straddles two chunks is
@@ -26,8 +35,8 @@ import torch
 from trainer.errors import ConfigError, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
 from trainer.loaders.order import Shard, epoch_order
-from trainer.loaders.stream import SideStreamCopier
-from trainer.memory import check_host_fits, chunk_samples_for
+from trainer.loaders.stream import SideStreamCopier, made_events
+from trainer.memory import check_host_fits, chunk_samples_for, host_buffer_bytes
 
 _STAGES = 2  # staging buffers for straddling batches, used alternately
 
@@ -54,33 +63,30 @@ class PinnedChunkLoader(DeviceLoader):
         start = time.perf_counter()
         self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)
         n_chunk_buffers = 1 if dataset.num_chunks == 1 else 2
-        check_host_fits(n_chunk_buffers * dataset.chunk_samples * (dataset.sample_bytes + 8),  # samples + int64 labels
-                        f"loader=pinned_chunk ({n_chunk_buffers} page-locked buffer(s) of dataset.chunk_samples={dataset.chunk_samples})",
+        sizes = [dataset.chunk_samples] * n_chunk_buffers + [cfg.batch_size] * _STAGES * (n_chunk_buffers > 1)
+        pin, shape = self.on_cuda, dataset.sample_shape
+        held = sum(host_buffer_bytes(rows * dataset.sample_bytes, pin) + host_buffer_bytes(rows * 8, pin)  # + int64 labels
+                   for rows in sizes)
+        check_host_fits(held, f"loader=pinned_chunk ({n_chunk_buffers} page-locked buffer(s) of "
+                              f"dataset.chunk_samples={dataset.chunk_samples})",
                         lambda free: f"set dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)} "
                                      f"or a smaller dataset.num_samples")
-        pin, shape = self.on_cuda, dataset.sample_shape
         self.buffers = [(pinned_empty((rows, *shape), dataset.storage_dtype, pin), pinned_empty((rows,), torch.int64, pin))
-                        for rows in [dataset.chunk_samples] * n_chunk_buffers + [cfg.batch_size] * _STAGES * (n_chunk_buffers > 1)]
-        self.pinned_bytes = sum(x.nbytes + y.nbytes for x, y in self.buffers) if pin else 0
-        self.last_copy = [None] * len(self.buffers)  # latest copy event reading each buffer
+                        for rows in sizes]
+        self.pinned_bytes = held if pin else 0
+        # Per buffer, an event recorded after every copy that reads it (`_copied`): the buffer is
+        # free once its latest record has completed (copies run in order on the side stream).
+        self.buffer_events = made_events(len(self.buffers), self.copier.stream, blocking=True) if pin else None
+        self.load_device = self._thread_device()  # the load thread selects it before any CUDA call
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-load") if n_chunk_buffers > 1 else None
         self.ready = self._load(0, 0)  # (chunk, buffer, x, y), or a Future of it
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
 
-    def batches_per_rank(self) -> list:
-        """The ranks split the epoch's batches (not its samples): every `world_size`-th each."""
-        n, b = len(self.dataset), self.cfg.batch_size
-        total = n // b if self.cfg.drop_last else -(-n // b)
-        return [self.shard.size(total, rank=r) for r in range(self.shard.world_size)]
-
-    def __len__(self) -> int:
-        return self.batches_per_rank()[self.shard.rank]
-
     def _wait_free(self, buffer: int) -> None:
-        """Block until no issued copy still reads `buffer`."""
-        if self.last_copy[buffer] is not None:
-            self.last_copy[buffer].synchronize()
+        """Block (asleep) until no issued copy still reads `buffer`."""
+        if self.buffer_events is not None:
+            self.buffer_events[buffer].synchronize()
 
     def _load(self, chunk: int, buffer: int):
         """Load `chunk` into `buffer` once no copy still reads it (runs in the loader thread)."""
@@ -95,6 +101,13 @@ class PinnedChunkLoader(DeviceLoader):
             x.copy_(x[perm])
             y.copy_(y[perm])
         return chunk, buffer, x, y
+
+    def _load_in_background(self, chunk: int, buffer: int):
+        """`_load` on the load thread, on the run's GPU: without selecting it, the thread's first
+        CUDA call (the wait on a copy event) would make a context on GPU 0, whatever the rank's."""
+        if self.load_device is not None:
+            torch.cuda.set_device(self.load_device)
+        return self._load(chunk, buffer)
 
     def _take(self, chunk: int):
         ready = self.ready.result() if isinstance(self.ready, Future) else self.ready
@@ -131,27 +144,27 @@ class PinnedChunkLoader(DeviceLoader):
                 sy[:hi - lo - s].copy_(y[s:])
                 tail = (stage, hi - lo - s)
             if self.pool is not None:  # overlap the next chunk's load with this chunk's copies
-                self.ready = self.pool.submit(self._load, (c + 1) % ds.num_chunks, 1 - buffer)
+                self.ready = self.pool.submit(self._load_in_background, (c + 1) % ds.num_chunks, 1 - buffer)
             for i in epoch_order(len(items), self.cfg.shuffle, self.seed, epoch * ds.num_chunks + c).tolist():
                 xs, ys, source = items[i]
                 if self.cfg.drop_last and len(xs) < b:
                     continue
-                position, mine = position + 1, position % self.shard.world_size == self.shard.rank
+                position, mine = position + 1, self.shard.owns(position)
                 if not mine:  # under torchrun: another rank's batch (every world_size-th is this rank's)
                     continue
                 # A contiguous slice of a page-locked buffer is page-locked too.
                 assert xs.is_pinned() or not self.on_cuda
                 yield (xs, ys), source
 
-    def _copied(self, buffer: int, event) -> None:
-        self.last_copy[buffer] = event
+    def _copied(self, buffer: int) -> None:
+        self.buffer_events[buffer].record(self.copier.stream)
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
         for x, y in self.copier.run(self._host_slices(epoch), on_copied=self._copied):
             yield self.dataset.on_device(x), y
 
-    def close(self):
-        if self.pool is not None:
+    def _release(self):
+        if self.pool is not None:  # first: the load thread may be writing a buffer
             self.pool.shutdown(wait=True, cancel_futures=True)
         self.buffers, self.ready = [], None

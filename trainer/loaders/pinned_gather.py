@@ -13,6 +13,9 @@ in advance) while the last ones of this epoch are copied.
 The ring holds `loader.depth + loader.threads + 1` slots: `depth` batches being copied ahead,
 one the step is about to use, and one per thread to gather into meanwhile.
 
+`close()` stops and joins every thread before it marks the loader closed and drops the slots; an
+interrupt meanwhile (Ctrl-C) is raised only once no thread is left running.
+
 The threads are fed through lean C-level queues rather than an executor's futures: a gather is
 one `put` on the loop's thread and one `get` when its batch is due, and in between a worker takes
 the GIL only to start the gather and to report it. An eager step is bound by the loop's thread
@@ -34,9 +37,9 @@ import torch
 
 from trainer.errors import RunFailed, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
-from trainer.loaders.order import Shard, epoch_shard
-from trainer.loaders.stream import SideStreamCopier
-from trainer.memory import check_host_fits, chunk_samples_for
+from trainer.loaders.order import Shard
+from trainer.loaders.stream import SideStreamCopier, made_events
+from trainer.memory import check_host_fits, chunk_samples_for, host_buffer_bytes
 
 THREAD_PREFIX = "pinned-gather"  # the worker threads' names start with this
 
@@ -64,7 +67,8 @@ class PinnedGatherLoader(DeviceLoader):
         n, rows = len(dataset), min(cfg.batch_size, len(dataset))
         self.num_slots = cfg.depth + cfg.threads + 1
         source_bytes = dataset.nbytes + n * 8  # samples + int64 labels
-        slot_bytes = self.num_slots * rows * (dataset.sample_bytes + 8)
+        slot_rows, pin = self.num_slots * rows, self.on_cuda  # the slots' samples and int64 labels
+        slot_bytes = host_buffer_bytes(slot_rows * dataset.sample_bytes, pin) + host_buffer_bytes(slot_rows * 8, pin)
         check_host_fits(source_bytes + slot_bytes,
                         f"loader=pinned_gather (the whole dataset in host memory and {self.num_slots} page-locked "
                         f"batch slots, loader.depth + loader.threads + 1)",
@@ -72,25 +76,26 @@ class PinnedGatherLoader(DeviceLoader):
                                      f"dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)} "
                                      f"(it holds two chunks, not the whole dataset)")
         self.x, self.y = _load_whole(dataset)
-        pin, shape = self.on_cuda, dataset.sample_shape
+        shape = dataset.sample_shape
         self.slots_x = pinned_empty((self.num_slots, rows, *shape), dataset.storage_dtype, pin)
         self.slots_y = pinned_empty((self.num_slots, rows), torch.int64, pin)
-        self.pinned_bytes = self.slots_x.nbytes + self.slots_y.nbytes if pin else 0
+        self.pinned_bytes = slot_bytes if pin else 0
         # The gather works on raw bytes: one row per sample, whatever the dtype (numpy has no bfloat16).
         self._src_x, self._src_y = _row_bytes(self.x), self.y.numpy()
         self._dst_x = [_row_bytes(s) for s in self.slots_x]
         self._dst_y = [s.numpy() for s in self.slots_y]
+        self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)  # one stream per loader
         # One event per slot, made once and recorded by each copy that reads the slot. A gather
         # thread waits on it before refilling the slot; with a step queued ahead of the GPU that
         # wait lasts milliseconds, so the event blocks (the thread sleeps) instead of spinning a
         # core on the driver beside the loop's thread. Re-recording is safe: a slot is copied
         # again only after its gather, which began after the wait on the previous record ended.
-        # Before its first copy a slot's event is unrecorded, and waiting on it returns at once.
-        self.slot_events = [torch.cuda.Event(blocking=True) for _ in range(self.num_slots)] if self.on_cuda else None
+        # Before its first copy a slot's event holds the record that made it (`made_events`), on
+        # the idle side stream: waiting on it returns at once.
+        self.slot_events = made_events(self.num_slots, self.copier.stream, blocking=True) if self.on_cuda else None
         self.pending: Deque = deque()  # (epoch, batch, slot) of the queued gathers, in order
         self.upcoming: Iterator = iter(())  # the batches to queue next (`_schedule`)
         self.queued = 0  # gathers queued so far: the next one fills slot `queued % num_slots`
-        self.copier = SideStreamCopier(self, cfg.depth, reuses_host_buffers=True)  # one stream per loader
         # Views of each slot, made once: the loop's thread hands out one per batch.
         self._views = [(self.slots_x[s], self.slots_y[s]) for s in range(self.num_slots)]
         # The gather threads: `todo` carries (slot, rows, event) to them, `done[slot]` brings back
@@ -100,7 +105,7 @@ class PinnedGatherLoader(DeviceLoader):
         self.threads: List[threading.Thread] = []  # started with the first batch, stopped by close()
         # A loader dropped without close() stops its threads when it is collected (they hold it
         # only weakly, between gathers).
-        self._stop_threads = weakref.finalize(self, _stop, self.todo, self.threads)
+        weakref.finalize(self, _stop, self.todo, self.threads)
         self.closed = False
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
@@ -120,12 +125,6 @@ class PinnedGatherLoader(DeviceLoader):
         np.take(self._src_y, rows, axis=0, out=self._dst_y[slot][:m], mode="clip")
         return m
 
-    def _thread_device(self) -> Optional[int]:
-        """The CUDA device the gather threads select (they wait on copy events); None on the CPU."""
-        if not self.on_cuda:
-            return None
-        return self.device.index if self.device.index is not None else torch.cuda.current_device()
-
     def _start_threads(self) -> None:
         if self.threads:
             return
@@ -140,7 +139,7 @@ class PinnedGatherLoader(DeviceLoader):
         """`(epoch, batch, rows)` of every batch from `epoch` on, epoch after epoch."""
         b, count = self.cfg.batch_size, len(self)
         while count:
-            order = epoch_shard(len(self.x), self.cfg.shuffle, self.seed, epoch, self.shard).numpy()  # this rank's
+            order = self._epoch_rows(epoch).numpy()  # this rank's batches, end to end
             for i in range(count):
                 yield epoch, i, order[i * b:(i + 1) * b]
             epoch += 1
@@ -234,14 +233,17 @@ class PinnedGatherLoader(DeviceLoader):
             host.close()
 
     def close(self):
-        super().close()
-        if not self.closed:
-            self.closed = True
+        try:
             self._drop_gathers()
-            self._stop_threads()  # each thread takes one stop and exits
-            for t in self.threads:
-                t.join()
-            self.threads.clear()
+        finally:
+            try:
+                _stop_and_join(self.todo, self.threads)  # an interrupt meanwhile is raised after the last join
+            finally:
+                self.threads.clear()
+                self.closed = True  # only now: no thread can write a slot any more
+                super().close()  # drops the slots (`_release`), then their page-locked blocks
+
+    def _release(self):
         self.pending.clear()
         self.x = self.y = self.slots_x = self.slots_y = None
         self._src_x = self._src_y = None
@@ -291,6 +293,23 @@ def _work(todo: queue.SimpleQueue, done: list, loader_ref, device_index: Optiona
 def _stop(todo: queue.SimpleQueue, threads: list) -> None:
     for _ in threads:
         todo.put(None)
+
+
+def _stop_and_join(todo: queue.SimpleQueue, threads: list) -> None:
+    """Stop every thread of `threads` and wait until each has exited. An interrupt meanwhile (a
+    signal handler raising) does not cut this short: it is raised once no thread is left running."""
+    interrupt, stops = None, 0
+    while any(t.is_alive() for t in threads):
+        try:
+            while stops < len(threads):
+                todo.put(None)  # each thread takes one stop and exits (a spare one is never taken)
+                stops += 1
+            for t in threads:
+                t.join()
+        except BaseException as e:  # Ctrl-C or a stop signal: join the rest first
+            interrupt = interrupt or e
+    if interrupt is not None:
+        raise interrupt
 
 
 def _result(outcome) -> int:

@@ -36,8 +36,8 @@ import torch
 
 from trainer.errors import RunFailed, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
-from trainer.loaders.order import Shard, epoch_shard
-from trainer.memory import check_gpu_fits, check_host_fits, chunk_samples_for
+from trainer.loaders.order import Shard
+from trainer.memory import check_gpu_fits, check_host_fits, chunk_samples_for, host_buffer_bytes
 
 HOLD = 1  # batches a consumer may ask for before the step on a batch is queued (Lightning's fetcher: 1)
 
@@ -82,7 +82,7 @@ class PinnedUvaLoader(DeviceLoader):
         """The device side: labels, the ring of slots and their events, the side stream, the kernel."""
         ds, slots = self.dataset, self.cfg.depth + 1 + HOLD
         self.num_slots = slots
-        self.pinned_bytes = self.x.nbytes
+        self.pinned_bytes = host_buffer_bytes(self.x.nbytes, pinned=True)  # as the host allocator reserves it
         check_gpu_fits(len(ds) * 8 + slots * rows * (ds.sample_bytes + 8), self.device,
                        f"loader=pinned_uva (the labels and {slots} batch slots, loader.depth + 2)",
                        "set a smaller loader.depth or loader.batch_size")
@@ -105,7 +105,8 @@ class PinnedUvaLoader(DeviceLoader):
                   file=sys.stderr)
             self.staging = [(pinned_empty((rows, *ds.sample_shape), ds.storage_dtype, True),
                              pinned_empty((rows,), torch.int64, True)) for _ in range(slots)]
-            self.pinned_bytes += sum(x.nbytes + y.nbytes for x, y in self.staging)
+            self.pinned_bytes += sum(host_buffer_bytes(x.nbytes, True) + host_buffer_bytes(y.nbytes, True)
+                                     for x, y in self.staging)
         self.free: Deque[int] = deque(range(slots))  # slots no gather or batch holds
         self.pending: Deque = deque()  # (epoch, batch, slot, rows) of the gathers issued, in order
         self.held: Deque[int] = deque()  # slots of the batches handed out and not yet released
@@ -118,7 +119,7 @@ class PinnedUvaLoader(DeviceLoader):
         device for the kernel, on the host for the host gather."""
         b, count = self.cfg.batch_size, len(self)
         while count:
-            order = epoch_shard(len(self.x), self.cfg.shuffle, self.seed, epoch, self.shard)  # this rank's
+            order = self._epoch_rows(epoch)  # this rank's
             if self.gather is not None:
                 order = self._upload(order)
             for i in range(count):
@@ -196,7 +197,7 @@ class PinnedUvaLoader(DeviceLoader):
 
     # -- the CPU path (degraded) -----------------------------------------------------------
     def _host_pass(self, epoch: int) -> Iterator:
-        order, b = epoch_shard(len(self.x), self.cfg.shuffle, self.seed, epoch, self.shard), self.cfg.batch_size
+        order, b = self._epoch_rows(epoch), self.cfg.batch_size
         for i in range(len(self)):
             if self.closed:
                 raise RuntimeError("loader=pinned_uva was closed during a pass")
@@ -211,7 +212,7 @@ class PinnedUvaLoader(DeviceLoader):
         epoch, self.epoch = self.epoch, self.epoch + 1
         yield from self._device_pass(epoch) if self.on_cuda else self._host_pass(epoch)
 
-    def close(self):
+    def _release(self):
         if self.on_cuda and not self.closed:
             self.stream.synchronize()  # no gather still reads the pinned data or writes a slot
             self.slots, self.targets, self.staging, self.pending = [], [], [], deque()

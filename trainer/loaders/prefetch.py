@@ -29,7 +29,3 @@ class PrefetchLoader(DeviceLoader):
 
     def __iter__(self):
         return self.copier.run((batch, None) for batch in self._batches())
-
-    def close(self):
-        super().close()
-        self.dataloader = None

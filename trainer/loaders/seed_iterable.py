@@ -30,7 +30,7 @@ import torch
 from trainer.errors import ConfigError
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
-from trainer.memory import check_host_fits
+from trainer.memory import check_host_fits, host_buffer_bytes
 
 VARIANTS = ("no_pinning", "copy_in_loader", "pin_batches", "pin_chunk")
 IN_PROCESS = ("copy_in_loader", "pin_chunk")  # touch CUDA while loading: DataLoader workers cannot
@@ -72,7 +72,9 @@ class SeedIterableLoader(DeviceLoader):
                 raise ConfigError(f"loader.variant=pin_chunk slices dataset.batches_per_chunk={dataset.cfg.batches_per_chunk} "
                                   f"batches of {cfg.batch_size} rows off each chunk, but a chunk has {smallest}: "
                                   "set dataset.batches_per_chunk=0 (one pass) or a smaller loader.batch_size")
-            self.pinned_bytes = dataset.chunk_samples * (dataset.sample_bytes + 8) if self.on_cuda else 0
+            if self.on_cuda:  # a chunk and its int64 labels, pinned at each load
+                rows = dataset.chunk_samples
+                self.pinned_bytes = host_buffer_bytes(rows * dataset.sample_bytes, True) + host_buffer_bytes(rows * 8, True)
             self.dataloader = None
             return
         workers = cfg.num_workers
@@ -128,10 +130,6 @@ class SeedIterableLoader(DeviceLoader):
     def _host_pass(self):
         self._start_pass()
         yield from self._batches()
-
-    def close(self):
-        super().close()
-        self.dataloader = None
 
 
 def check_chunks_fit(cfg, dataset, pinned_copy: bool) -> None:
