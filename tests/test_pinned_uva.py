@@ -76,7 +76,7 @@ def test_each_rank_yields_baselines_share(world_size):
     # the ranks together cover epoch 2 once: every sample exactly once
     data = build_dataset(compose_config(*TINY).dataset).materialize()
     rows = sorted(torch.cat(shares).flatten(1).tolist())
-    assert rows == sorted(data[epoch_shard(96, True, 3, 2, Shard())].flatten(1).tolist())
+    assert rows == sorted(data[epoch_shard(96, True, 3, 2, Shard(), 7, False)].flatten(1).tolist())
 
 
 def test_run_checksums_equal_baselines(tiny_cfg, runs):

@@ -164,7 +164,7 @@ class PinnedUvaLoader(DeviceLoader):
         x[:m].copy_(stage_x[:m], non_blocking=True)
         y[:m].copy_(stage_y[:m], non_blocking=True)
 
-    def _release(self, compute) -> None:
+    def _release_slots(self, compute) -> None:
         """Release the slots of batches whose step is queued by now (all but the last HOLD handed out)."""
         while len(self.held) > HOLD:
             slot = self.held.popleft()
@@ -186,7 +186,7 @@ class PinnedUvaLoader(DeviceLoader):
         for _ in range(len(self)):
             if self.closed or self.current is not token:
                 raise RuntimeError("loader=pinned_uva was closed, or iterated again, during a pass")
-            self._release(compute)  # the batch handed out two requests ago has had its step queued
+            self._release_slots(compute)  # the batch handed out two requests ago has had its step queued
             self._fill()  # the next gather is queued before this batch's step: they overlap
             _, _, slot, m = self.pending.popleft()
             compute.wait_event(self.ready[slot])
