@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from clirun import LONG, all_runs, steps_csv, wait_for_running
 from conftest import CONF_DIR
 from datasets import build_dataset
-from trainer.config import SCHEMAS
+from trainer.loaders import LOADERS
 from trainer.loaders import build_loader
 from trainer.loaders.order import Shard
 from trainer.loop import distributed
@@ -32,7 +32,7 @@ from trainer.loop.verify import Checksum, combine_ranks
 from trainer.tools import scaling
 from trainer.tracking import report, sweep
 
-STRATEGIES = list(SCHEMAS["loader"])
+STRATEGIES = list(LOADERS)
 SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
 # 101 samples over 2 ranks: in batches of 17, 6 batches, 3 each (51 and 50 samples); in batches of
 # 25, 5 batches: 3 and 2.
