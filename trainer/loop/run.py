@@ -110,8 +110,9 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
                 journal.close()
             _close(parts.loader, error)
         summary, error = record(parts, tracker, ranks, error)
-        if journal is not None:
-            journal.path.unlink(missing_ok=True)  # the records are written: the journal was their fallback
+        if journal is not None:  # the records are written: the journal was their fallback
+            journal.path.unlink(missing_ok=True)
+            tracker.client.delete_tag(tracker.run_id, "journal")
         if error is not None:
             raise error
     return summary
