@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
 import random
 import threading
 import time
@@ -13,6 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from conftest import TINY
 from datasets import build_dataset
 from trainer.loaders import LOADERS, build_loader
 from trainer.loaders.pinned_gather import THREAD_PREFIX
@@ -178,27 +181,48 @@ def test_no_memory_growth_over_20_epochs(strategy, tiny_cfg):
     assert pinned[2:] == [pinned[2]] * 18, pinned
 
 
+_PINNED_BYTES = """
+import sys, torch
+import trainer.components  # noqa: F401
+from hydra import compose, initialize_config_dir
+from trainer.config import CONF_DIR
+from conftest import TINY
+from datasets import build_dataset
+from trainer.loaders import build_loader
+
+def held():
+    return torch.cuda.host_memory_stats()["allocated_bytes.current"]
+
+with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    cfg = compose("config", overrides=sys.argv[2:] + ["loader=" + sys.argv[1]])
+torch.empty(1, device="cuda"); torch.cuda.synchronize(); torch._C._host_emptyCache()
+before = held()
+loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
+buffers = [t for pair in loader.buffers for t in pair] if sys.argv[1] == "pinned_chunk" else [loader.slots_x, loader.slots_y]
+print(loader.pinned_bytes, held() - before, sum(t.nbytes for t in buffers))
+for _ in range(2):
+    for x, _y in loader:
+        x.sum()
+for i, (x, _y) in enumerate(loader):  # a pass abandoned with copies in flight
+    if i == 3:
+        break
+loader.close()
+print(held() - before)
+"""
+
+
 @pytest.mark.parametrize("strategy", ["pinned_chunk", "pinned_gather"])
-def test_pinned_bytes_are_what_the_host_allocator_reserves_and_close_gives_them_back(strategy, tiny_cfg):
+def test_pinned_bytes_are_what_the_host_allocator_reserves_and_close_gives_them_back(strategy):
     """Buffers of sizes that are no power of two: `pinned_bytes` (the run's `pinned_host_mb`) is the
     allocator's growth, rounding included; after close() it holds what it held before (nothing
-    kept cached for the rest of the process)."""
-    torch.empty(1, device="cuda")
-    torch.cuda.synchronize()
-    torch._C._host_emptyCache()
-    before = _host_pinned_bytes()
-    cfg = gpu(tiny_cfg, f"loader={strategy}", "dataset.chunks=3")
-    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
-    held = [t for pair in loader.buffers for t in pair] if strategy == "pinned_chunk" else [loader.slots_x, loader.slots_y]
-    assert loader.pinned_bytes == _host_pinned_bytes() - before > sum(t.nbytes for t in held)
-    for _ in range(2):
-        for x, _y in loader:
-            x.sum()
-    for i, (x, _y) in enumerate(loader):  # a pass abandoned with copies in flight
-        if i == 3:
-            break
-    loader.close()
-    assert _host_pinned_bytes() == before
+    kept cached for the rest of the process). In a process of its own: the allocator's counts are
+    the process's, whatever earlier tests left pinned."""
+    overrides = [o.replace("engine.device=cpu", "engine.device=cuda") for o in TINY] + ["dataset.chunks=3"]
+    proc = subprocess.run([sys.executable, "-c", _PINNED_BYTES, strategy, *overrides], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (counted, grew, exact), (after,) = [list(map(int, line.split())) for line in proc.stdout.split("\n")[:2]]
+    assert counted == grew > exact
+    assert after == 0
 
 
 @pytest.mark.parametrize("strategy", ["prefetch", "pinned_chunk", "pinned_gather"])
