@@ -29,10 +29,16 @@ class JobFailed(CompactHydraException):
 
 
 def one_line(err: BaseException) -> str:
-    """The error's message on one line, naming the MLflow run it closed (if one was open)."""
+    """The error's message on one line, naming the MLflow run it closed (if one was open) and
+    what the store refused of it (`trainer.tracking.runs.Tracker`)."""
     text = " ".join(str(err).split())
-    run_id = getattr(err, "run_id", None)
-    return f"{text} (run {run_id} marked FAILED)" if run_id else text
+    return f"{text} ({closed(err, 'FAILED')})" if getattr(err, "run_id", None) else text
+
+
+def closed(err: BaseException, status: str) -> str:
+    """How the run that `err` stopped was closed: marked `status`, or what its store refused."""
+    refused = getattr(err, "refused", None)
+    return f"run {err.run_id}: {refused}" if refused else f"run {err.run_id} marked {status}"
 
 
 # The checkout's conf/, or the copy a wheel carries (trainer.config.CONF_DIR): an absolute path,
@@ -85,10 +91,11 @@ def cli() -> None:
     except KeyboardInterrupt as stop:
         signum = getattr(stop, "signum", signal.SIGINT)
         faults.stopped_by = signum
-        run_id = getattr(stop, "run_id", None)
-        closed = f": run {run_id} marked KILLED, what it measured is saved" if run_id else ""
+        how = ""
+        if getattr(stop, "run_id", None):
+            how = f": {closed(stop, 'KILLED')}" + ("" if getattr(stop, "refused", None) else ", what it measured is saved")
         if distributed.is_main_process():
-            print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
+            print(f"interrupted by {signal.Signals(signum).name}{how}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
     finally:
         distributed.finish()  # under torchrun: rank 0 done first, then leave the process group
