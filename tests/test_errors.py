@@ -30,25 +30,7 @@ from trainer.errors import ConfigError
 from trainer.loop.run import run
 
 
-# -- caught when Hydra composes the config ---------------------------------------------------------
-def test_unknown_group_option_lists_the_options(tmp_path, tracking_uri):
-    proc = run_cli(tmp_path, tracking_uri, *TINY, "loader=prefech")
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "Could not find 'loader/prefech'" in proc.stderr
-    assert all(f"\t{name}\n" in proc.stderr for name in ("baseline", "pinned", "prefetch", "pinned_chunk", "pinned_gather",
-                                                               "gpu_resident"))
-    assert all_runs(tracking_uri) == []
-
-
-@pytest.mark.parametrize("override,message", ids=["typo", "type"], argvalues=[
-    ("loader.pin_memroy=true", "Key 'pin_memroy' not in"),
-    ("loader.batch_size=abc", "Value 'abc' of type 'str' could not be converted to Integer"),
-])
-def test_unknown_key_and_wrong_type_fail_at_compose_time(tmp_path, tracking_uri, override, message):
-    proc = run_cli(tmp_path, tracking_uri, *TINY, override)
-    assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert message in proc.stderr and f"full_key: {override.split('=')[0]}" in proc.stderr
-    assert all_runs(tracking_uri) == []
+# (Hydra's own errors, at compose time: tests/test_hydra_errors.py)
 
 
 # -- caught by trainer.validate before a run is opened ---------------------------------------------
