@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import sys
+import warnings
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -59,6 +62,7 @@ def validate(cfg) -> None:
     loader, engine, model = cfg.loader, cfg.engine, cfg.model
     at_least("loader.batch_size", loader.batch_size, 1, 64)
     at_least("loader.num_workers", loader.num_workers, 0, 0)
+    warn_workers_beyond_cores(loader.num_workers)
     if loader.prefetch_factor is not None:
         at_least("loader.prefetch_factor", loader.prefetch_factor, 1, 2)
     if "depth" in loader:
@@ -69,6 +73,7 @@ def validate(cfg) -> None:
     at_least("engine.max_steps", engine.max_steps, 0, "0 (run engine.epochs passes)")
     at_least("engine.warmup_steps", engine.warmup_steps, 0, 5)
     at_least("engine.gpu_timing_every", engine.gpu_timing_every, 1, 8)
+    check_seed(engine.seed)
     _validate_loop(engine)
     if engine.optimizer.name not in OPTIMIZERS:
         raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {engine.optimizer.name!r}): "
@@ -92,6 +97,23 @@ def validate(cfg) -> None:
     if len(cfg.tracking.experiment) > MAX_EXPERIMENT_NAME_LENGTH:
         raise ConfigError(f"tracking.experiment must be at most {MAX_EXPERIMENT_NAME_LENGTH} characters (got "
                           f"{len(cfg.tracking.experiment)}): set tracking.experiment=feedbench")
+
+
+def warn_workers_beyond_cores(workers: int) -> None:
+    """More DataLoader workers than CPU cores take turns on them: a run slows down many times
+    over. Said in one line (PyTorch's own warning, which says the same, is silenced)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > cores:
+        print(f"warning: loader.num_workers={workers} but this machine gives the run {cores} CPU cores: the workers "
+              f"take turns on them and the run slows down; set loader.num_workers={cores} or fewer", file=sys.stderr)
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+
+
+def check_seed(seed: int) -> None:
+    """`engine.seed` seeds torch's generators, directly and as `seed * 1_000_003 + epoch` (the
+    loaders' shuffles): within 32 bits both fit torch's 64-bit seeds."""
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"engine.seed must be from 0 to {2**32 - 1} (got {seed}): set engine.seed=0")
 
 
 def _validate_loop(engine) -> None:
