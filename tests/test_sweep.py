@@ -63,7 +63,7 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     proc = multirun(tmp_path, tracking_uri, "loader=baseline,pinned", "model=mlp,autoencoder", "engine.device=cpu",
                     sweep_dir=False)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db"]  # the store, beside its DB
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db", "mlflow.db.lock"]  # the store, beside its DB
     client, parent, children = parent_and_children(tracking_uri)
 
     assert parent.info.status == "FINISHED"

@@ -137,6 +137,10 @@ class EngineConfig:
         at_least("engine.warmup_steps", self.warmup_steps, 0, 5)
         at_least("engine.gpu_timing_every", self.gpu_timing_every, 1, 8)
         at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
+        # seeds torch's generators, directly and as `seed * 1_000_003 + epoch` (the loaders' shuffles):
+        # within 32 bits both fit torch's 64-bit seeds
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"engine.seed must be from 0 to {2**32 - 1} (got {self.seed}): set engine.seed=0")
         if self.loop not in LOOPS:
             raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {self.loop!r}): set engine.loop=feedbench")
         if self.loop == "lightning":

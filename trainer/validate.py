@@ -10,6 +10,9 @@ and a value that works, e.g. `loader.batch_size must be >= 1 (got 0): set loader
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
+import warnings
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -69,6 +72,7 @@ def validate(cfg) -> Config:
     _check_keys(cfg, "")
     job = OmegaConf.to_object(cfg)  # runs every section's __post_init__ checks
     _check_sections(job)
+    warn_workers_beyond_cores(job.loader.num_workers)
     return job
 
 
@@ -78,6 +82,16 @@ def _check_sections(job: Config) -> None:
     if classes < job.model.min_classes:
         raise ConfigError(f"model={job.model.name} needs labels of at least {job.model.min_classes} classes (got "
                           f"dataset.num_classes={classes}): set dataset.num_classes=10, or use model=autoencoder or model=noop")
+
+
+def warn_workers_beyond_cores(workers: int) -> None:
+    """More DataLoader workers than CPU cores take turns on them: a run slows down many times
+    over. Said in one line (PyTorch's own warning, which says the same, is silenced)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > cores:
+        print(f"warning: loader.num_workers={workers} but this machine gives the run {cores} CPU cores: the workers "
+              f"take turns on them and the run slows down; set loader.num_workers={cores} or fewer", file=sys.stderr)
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
 
 
 def check_against_dataset(cfg, dataset) -> None:

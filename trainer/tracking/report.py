@@ -22,7 +22,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from trainer.errors import ConfigError
-from trainer.tracking.store import default_uri
+from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
 
 METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "gpu_busy_fraction", "data_wait_fraction",
            "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
@@ -41,12 +41,10 @@ STRATEGY = "loader.name"
 
 # ----------------------------------------------------------------------------- reading MLflow
 def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
-    """A client on `uri` (default: the project's sqlite DB); a missing sqlite file is an error,
-    not silently created empty."""
+    """A client on `uri` (default: the project's sqlite DB), checked as the trainer checks a store;
+    a missing sqlite file is an error, not silently created empty."""
     uri = uri or default_uri()
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-        raise ConfigError(f"no MLflow database at {uri[len('sqlite:///'):]}: run a sweep first "
-                          "(python -m trainer -m loader=baseline,pinned) or pass --uri")
+    check_store_to_read(uri)
     return MlflowClient(uri), uri
 
 
@@ -227,6 +225,45 @@ def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str
     return comparison_rows(parent, children(client, parent))
 
 
+# ----------------------------------------------------------------------------- one run
+def run_items(run: Run) -> List[Tuple[str, str, str]]:
+    """(section, key, value) of a run: its status (and error), its summary metrics, its params.
+    The per-step series' last values are left out: they are one step's, not the run's."""
+    tags = run.data.tags
+    items = [("status", "status", run.info.status)]
+    items += [("status", k, tags[k]) for k in ("error", "failed_step", "interrupted_by") if k in tags]
+    items += [("metric", k, _cell(k, v, exact=False)) for k, v in sorted(run.data.metrics.items())
+              if k not in PER_STEP_METRICS]
+    return items + [("param", k, v) for k, v in sorted(run.data.params.items())]
+
+
+def format_run(run: Run) -> str:
+    """A run as aligned `key  value` lines: status, summary metrics, then params."""
+    items = run_items(run)
+    width = max(len(k) for _, k, _ in items)
+    lines, section = [], None
+    for part, key, value in items:
+        if part != section:
+            lines.append({"status": "", "metric": "summary metrics:", "param": "params:"}[part])
+            section = part
+        lines.append(f"  {key.ljust(width)}  {value}")
+    return "\n".join(line for line in lines if line)
+
+
+def run_csv(run: Run) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["section", "key", "value"])
+    for part, key, value in run_items(run):
+        w.writerow([part, key, repr(run.data.metrics[key]) if part == "metric" else value])  # full precision
+    return out.getvalue()
+
+
+def run_markdown(run: Run) -> str:
+    rows = [f"| {part} | {key} | {value} |" for part, key, value in run_items(run)]
+    return "\n".join(["| section | key | value |", "|---|---|---|", *rows]) + "\n"
+
+
 # ----------------------------------------------------------------------------- command line
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
@@ -246,9 +283,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    single = parent.data.tags.get("sweep") != "true"  # --run of a run of its own, not of a sweep
     if args.plain:
         from trainer.tools.plain_loop import annotate  # runs the loaders: only loaded when asked for
-        annotate(client, children(client, parent), log=lambda line: print(line, file=sys.stderr))
+        annotate(client, [parent] if single else children(client, parent), log=lambda line: print(line, file=sys.stderr))
+    if single:
+        run = client.get_run(parent.info.run_id)  # with what --plain logged
+        print(f"run {run.info.run_name!r} ({run.info.run_id}, {run.info.status}) in {uri}")
+        print(format_run(run))
+        if args.csv:
+            args.csv.write_text(run_csv(run))
+        if args.markdown:
+            args.markdown.write_text(run_markdown(run))
+        return 0
     keys, rows = compare(client, parent)
     print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
     print(format_table(keys, rows) if rows else "(no child runs)")

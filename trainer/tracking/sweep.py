@@ -159,6 +159,12 @@ class SweepCallback(Callback):
         # Interrupted (Ctrl-C, SIGTERM: the entry point notes the signal) or stopped by an error.
         stopped = "KILLED" if faults.stopped_by is not None else "FAILED"
         try:
+            client = MlflowClient(self.uri)
+            if not report.children(client, client.get_run(self.parent_id)):
+                # No job ran (Hydra refused an override of the sweep, or a Ctrl-C came first): an
+                # empty parent would be "the latest sweep" for the report. MLflow keeps it in its trash.
+                client.delete_run(self.parent_id)
+                return
             self._show(*finish_parent(self.uri, self.parent_id, stopped=stopped))
         except Exception as e:
             print(f"warning: could not close sweep run {self.parent_id}: {e}", file=sys.stderr)
