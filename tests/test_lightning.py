@@ -156,14 +156,14 @@ def test_lightning_copies_only_what_a_strategy_leaves_to_it(tiny_cfg):
         batches = loader.host_batches()
         return loader, None if batches is None else list(batches)
 
-    for overrides in (["loader=baseline"], ["loader=pinned"], ["loader=seed_iterable", "loader.variant=pin_batches"],
-                      ["loader=seed_iterable", "loader.variant=no_pinning"]):
+    for overrides in (["loader=baseline"], ["loader=pinned"], ["loader=iterable_chunks", "loader.variant=pin_batches"],
+                      ["loader=iterable_chunks", "loader.variant=no_pinning"]):
         loader, batches = host(*overrides)
         assert batches is not None and len(batches) == len(loader), overrides
         assert [x.shape for x, _ in batches] == [x.shape for x, _ in loader]
     for overrides in (["loader=pinned", "loader.non_blocking=false"], ["loader=prefetch"], ["loader=pinned_chunk"],
-                      ["loader=gpu_resident"], ["loader=seed_iterable", "loader.variant=pin_chunk"],
-                      ["loader=seed_iterable", "loader.variant=copy_in_loader"]):
+                      ["loader=gpu_resident"], ["loader=iterable_chunks", "loader.variant=pin_chunk"],
+                      ["loader=iterable_chunks", "loader.variant=copy_in_loader"]):
         assert host(*overrides)[1] is None, overrides  # they copy (or hold the data on the device) themselves
 
 
@@ -453,7 +453,7 @@ def test_gpu_lightning_loop_times_copy_compute_and_lightning(strategy, tiny_cfg,
     (r,) = runs()
     assert r.data.tags["loop"] == "lightning" and r.data.tags["degraded"] == "false"
     assert summary["median_compute_ms"] > 0 and summary["median_lightning_ms"] > 0
-    if strategy != "gpu_resident":  # every other copies, Lightning's transfer for baseline/pinned/seed_iterable
+    if strategy != "gpu_resident":  # every other copies, Lightning's transfer for baseline/pinned/iterable_chunks
         assert summary["median_h2d_ms"] > 0 and summary["h2d_GBps"] > 0
     else:
         assert summary["median_h2d_ms"] == 0
@@ -461,7 +461,7 @@ def test_gpu_lightning_loop_times_copy_compute_and_lightning(strategy, tiny_cfg,
 
 @pytest.mark.gpu
 def test_gpu_checksums_equal_under_both_loops(tiny_cfg, runs):
-    for strategy in [s for s in STRATEGIES if s != "seed_iterable"] + ["seed_iterable"]:
+    for strategy in [s for s in STRATEGIES if s != "iterable_chunks"] + ["iterable_chunks"]:
         for loop in ("feedbench", "lightning"):
             run(gpu(tiny_cfg, f"loader={strategy}", f"engine.loop={loop}", "engine.verify=true", "engine.epochs=3",
                     "dataset.chunks=3", "loader.num_workers=2", "loader.shuffle=true"))
