@@ -162,6 +162,29 @@ def test_fake_files_are_in_torchvision_layout(mnist_root, cifar_root):
     assert sorted(p.name for p in (cifar_root[0] / "cifar-10-batches-py").iterdir()) == sorted(CIFAR_FILES)
 
 
+def test_fake_data_command_writes_both_datasets_named_as_random(tmp_path, capsys):
+    """`python -m trainer.fake_data`: small files torchvision reads as MNIST and CIFAR-10, a README.txt and
+    its output saying they are random pixels, the overrides to use them; never over files it did not write."""
+    from trainer import fake_data
+    root = tmp_path / "random_pixels"
+    assert fake_data.main(["--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote RANDOM PIXELS in the MNIST and CIFAR-10 file formats under {root}")
+    assert f"python -m trainer dataset=mnist model=mlp dataset.root={root} dataset.download=false" in out
+    assert "NOT MNIST or CIFAR-10" in (root / "README.txt").read_text()
+    mnist = build_dataset(vision("mnist", root))
+    cifar = build_dataset(vision("cifar10", root))
+    assert (len(mnist), len(cifar)) == (fake_data.SMALL["mnist"][0], fake_data.SMALL["cifar10"][0])
+    assert fake_data.main(["--root", str(root), "--seed", "1"]) == 0  # its own files: written again
+    real = tmp_path / "real"
+    write_mnist(real)  # MNIST files without the README.txt: not the command's to overwrite
+    before = (real / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes()
+    capsys.readouterr()
+    assert fake_data.main(["--root", str(real)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {real} already holds MNIST that this command did not write")
+    assert (real / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes() == before
+
+
 @pytest.mark.parametrize("train,split,n", [(True, "train", 40), (False, "test", 12)])
 def test_mnist_through_torchvision(mnist_root, train, split, n):
     root, written = mnist_root

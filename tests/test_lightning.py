@@ -1,6 +1,6 @@
 """`engine.loop=lightning`: the same run driven by Lightning's Trainer, with the feedbench loop's
 contract (metrics, artifacts, checksums, faults, interrupts); the profiler's overlap check; and
-`lightning_prefetch` / `FeedbenchDataModule` for Lightning users (the README's snippet, run)."""
+`lightning_prefetch` / `FeedbenchDataModule` for Lightning users (docs/lightning.md's snippet, run)."""
 
 from __future__ import annotations
 
@@ -321,17 +321,17 @@ def test_profiler_traces_the_last_warm_up_steps(warmup, expected, synced, tmp_pa
 
 
 # ----------------------------------------------------------------------------- for Lightning users
-def readme_snippet(heading: str) -> str:
-    text = (PROJECT_ROOT / "README.md").read_text()
+def docs_snippet(heading: str) -> str:
+    text = (PROJECT_ROOT / "docs" / "lightning.md").read_text()
     section = text[text.index(heading):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_lightning_prefetch_snippet_runs():
-    snippet = readme_snippet("### GPU prefetching in your own Lightning code")
+def test_docs_lightning_prefetch_snippet_runs():
+    snippet = docs_snippet("## GPU prefetching in your own Lightning code")
     assert "lightning_prefetch(loader, depth=2)" in snippet
-    namespace: dict = {"__name__": "readme"}
-    exec(compile(snippet, "README.md", "exec"), namespace)
+    namespace: dict = {"__name__": "docs"}
+    exec(compile(snippet, "docs/lightning.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.state.finished and trainer.global_step == 2 * 2048 // 64
     datamodule = trainer.datamodule
@@ -554,7 +554,7 @@ def test_gpu_out_of_memory_in_a_lightning_step_is_one_line(tiny_cfg, runs):
 
 
 def test_versus_times_lightnings_loop_against_ours_in_turns(tmp_path, capsys):
-    """The README's `trainer.versus --a engine.loop=lightning --b engine.loop=feedbench`: Lightning's
+    """docs/lightning.md's `trainer.versus --a engine.loop=lightning --b engine.loop=feedbench`: Lightning's
     run records the per-step host clock that turn-taking needs, so each loop's ms/step counts only
     its own turns, and the table names both sides."""
     from trainer.versus import main
