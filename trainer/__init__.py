@@ -22,8 +22,7 @@ _check_datasets_package()
 
 
 def feedbench_config(overrides=()):
-    """The config `python -m trainer <overrides>` would run, composed and checked, as typed sections
-    (`cfg.loader`, `cfg.dataset`, `cfg.model`, `cfg.engine`): `feedbench_config(["loader=prefetch"])`."""
+    """The config `python -m trainer <overrides>` runs, composed and checked, as typed sections (`cfg.loader.depth`)."""
     from hydra import compose, initialize_config_dir
 
     import trainer.components  # noqa: F401  (registers every dataset, loader and model option)

@@ -33,8 +33,8 @@ def preset_line(path) -> str:
 
 
 def options_help() -> str:
-    """Every option a user picks, one line each: each component's Config docstring, each preset's comment.
-    The preset folder's subfolders (`+experiment/copy_mode=...`) are a preset's own cases: not listed."""
+    """Every option a user picks, one line each, from its Config docstring or its preset's first comment."""
+    # conf/experiment's subfolders (`+experiment/copy_mode=...`) are a preset's own cases: not listed.
     presets = sorted((CONF_DIR / "experiment").glob("*.yaml"))
     width = max(len(name) for name in [*(n for r in REGISTRIES.values() for n in r), *(p.stem for p in presets)])
     lines = []
