@@ -33,7 +33,7 @@ from trainer.tools import scaling
 from trainer.tracking import report, sweep
 
 STRATEGIES = list(LOADERS)
-SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
+SAME_SAMPLES = [s for s in STRATEGIES if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 # 101 samples over 2 ranks: in batches of 17, 6 batches, 3 each (51 and 50 samples); in batches of
 # 25, 5 batches: 3 and 2.
 SMALL = ["dataset.num_samples=101", "dataset.shape=[4,4]", "engine.warmup_steps=1",
@@ -53,7 +53,7 @@ def samples(loader, epochs: int = 2):
 def test_ranks_split_every_epoch_exactly_once(tiny_cfg, strategy):
     """Two ranks' shards of each epoch together hold exactly one process's samples; the same seed
     gives the same split; every strategy takes it from the shared order code."""
-    extra = ["dataset.chunks=3", "dataset.num_samples=99"] if strategy != "seed_iterable" else [
+    extra = ["dataset.chunks=3", "dataset.num_samples=99"] if strategy != "iterable_chunks" else [
         "dataset.chunks=4", "dataset.num_samples=96", "dataset.batches_per_chunk=2"]
     cfg = tiny_cfg(f"loader={strategy}", *extra)
     ds = build_dataset(cfg.dataset)
@@ -418,7 +418,7 @@ def test_torchrun_four_ranks_with_drop_last_train_on_the_one_process_batches(tmp
 
 
 def test_multi_gpu_preset_sweeps_every_strategy_of_baselines_samples():
-    """The README's multi-GPU table covers every strategy (seed_iterable reproduces seed 000 instead)."""
+    """The README's multi-GPU table covers every strategy (iterable_chunks draws random rows instead)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["experiment=multi_gpu"], return_hydra_config=True)
     assert sorted(cfg.hydra.sweeper.params.loader.split(",")) == sorted(SAME_SAMPLES)

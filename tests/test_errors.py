@@ -24,8 +24,8 @@ from mlflow.tracking import MlflowClient
 
 from clirun import TINY, all_runs, error_line, run_cli, steps_csv
 from conftest import batch_that_runs_out_of_gpu_memory
-from fake_data import write_mnist
 from trainer.errors import ConfigError
+from trainer.fake_data import write_mnist
 from trainer.loaders import LOADERS
 from trainer.loop.run import run
 
@@ -50,8 +50,9 @@ from trainer.loop.run import run
     pytest.param(["dataset.num_samples=${nope}"], r"dataset\.num_samples: its interpolation cannot be resolved \(Interpolation key 'nope' not found\): "
                  r"set dataset\.num_samples to a value, or to \$\{\.\.\.\} of a key that exists$", id="dataset.num_samples=${nope}"),
     pytest.param([f"dataset.shape=[{','.join(['1'] * 40)}]"], r"dataset\.shape must have at most 31 sizes \(got 40\): set dataset\.shape=\[256,256\]$", id="dataset.shape with 40 sizes"),
-    pytest.param(["+loader.batchsize=1"], r"loader\.batchsize is not a key of loader \(BaselineLoader\.Config\): remove \+loader\.batchsize; "
-                 r"its keys are name, batch_size, ", id="+loader.batchsize=1"),
+    pytest.param(["+loader.batchsize=1"], r"loader\.batchsize is not a key of loader \(BaselineLoader\.Config\): did you mean "
+                 r"loader\.batch_size\? set loader\.batch_size=1 instead of \+loader\.batchsize=1; its keys are name, batch_size, ",
+                 id="+loader.batchsize=1"),
 ])
 def test_out_of_range_values_name_key_value_and_fix(tmp_path, tracking_uri, overrides, pattern):
     proc = run_cli(tmp_path, tracking_uri, *TINY, *overrides)
@@ -82,7 +83,7 @@ def test_batch_larger_than_the_dataset(tmp_path, tracking_uri):
     assert found.group(1) == r.info.run_id and "loader.batch_size must be <= 96" in r.data.tags["error"]
 
 
-@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "pinned_gather", "baseline", "seed_iterable"], argvalues=[
+@pytest.mark.parametrize("strategy,pattern", ids=["pinned_chunk", "pinned_gather", "baseline", "iterable_chunks"], argvalues=[
     ("pinned_chunk", r"loader=pinned_chunk \(1 page-locked buffer.*\) needs ([\d.]+) GiB of host memory but only "
                      r"([\d.]+) GiB is available: set dataset\.chunk_samples=\d+"),
     ("pinned_gather", r"loader=pinned_gather \(the whole dataset in host memory and 6 page-locked batch slots.*\) needs "
@@ -90,7 +91,7 @@ def test_batch_larger_than_the_dataset(tmp_path, tracking_uri):
                       r"or use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
     ("baseline", r"loader=baseline \(the whole dataset in host memory\) needs ([\d.]+) GiB of host memory but only "
                  r"([\d.]+) GiB is available: use loader=pinned_chunk with dataset\.chunk_samples=\d+"),
-    ("seed_iterable", r"loader=seed_iterable \(one chunk of dataset\.chunk_samples=1000000 in each of 1 loading process\(es\)\) "
+    ("iterable_chunks", r"loader=iterable_chunks \(one chunk of dataset\.chunk_samples=1000000 in each of 1 loading process\(es\)\) "
                       r"needs ([\d.]+) GiB of host memory but only ([\d.]+) GiB is available: set dataset\.chunk_samples=\d+"),
 ])
 def test_more_host_memory_than_available_fails_before_allocating(tmp_path, tracking_uri, strategy, pattern):

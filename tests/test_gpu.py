@@ -25,7 +25,7 @@ from trainer.loop.verify import Checksum
 pytestmark = pytest.mark.gpu
 STRATEGIES = list(LOADERS)
 COPYING = [s for s in STRATEGIES if s != "gpu_resident"]
-SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
+SAME_SAMPLES = [s for s in STRATEGIES if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 
 
 def gpu(tiny_cfg, *overrides):

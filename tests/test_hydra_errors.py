@@ -28,7 +28,7 @@ def only_line(proc: subprocess.CompletedProcess) -> str:
 # -- composing the config ----------------------------------------------------------------------------
 @pytest.mark.parametrize("override,expected", ids=["option typo", "wrong type", "unknown key", "list", "bool"], argvalues=[
     ("loader=prefech", "error: loader=prefech: loader has no option prefech; did you mean prefetch? (options: baseline, "
-                       "gpu_resident, pinned, pinned_chunk, pinned_gather, prefetch, seed_iterable)"),
+                       "gpu_resident, iterable_chunks, pinned, pinned_chunk, pinned_gather, pinned_uva, prefetch)"),
     ("loader.batch_size=abc", "error: loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer: "
                               "set loader.batch_size to an integer, e.g. loader.batch_size=16"),
     ("engine.wramup_steps=1", "error: engine.wramup_steps: engine has no key wramup_steps; did you mean warmup_steps? "

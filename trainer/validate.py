@@ -10,6 +10,7 @@ and a value that works, e.g. `loader.batch_size must be >= 1 (got 0): set loader
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import sys
 import warnings
@@ -57,11 +58,22 @@ def _check_keys(node: DictConfig, prefix: str) -> None:
         for key in node:
             if key not in known:
                 raise ConfigError(f"{prefix}{key} is not a key of {prefix[:-1] or 'the config'} ({kind.__name__}): "
-                                  f"remove +{prefix}{key}; its keys are {', '.join(known)}")
+                                  f"{_instead(prefix, key, node[key], known)}; its keys are {', '.join(known)}")
     for key in node:
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             _check_keys(child, f"{prefix}{key}.")
+
+
+def _instead(prefix: str, key: str, value, known: list) -> str:
+    """The fix for an unknown key: the nearest real key when one is close (`batchsize` -> `batch_size`)."""
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not near:
+        return f"remove +{prefix}{key}"
+    if isinstance(value, (bool, int, float, str)):
+        shown = str(value).lower() if isinstance(value, bool) else value
+        return f"did you mean {prefix}{near[0]}? set {prefix}{near[0]}={shown} instead of +{prefix}{key}={shown}"
+    return f"did you mean {prefix}{near[0]}? remove +{prefix}{key}"
 
 
 def validate(cfg) -> Config:

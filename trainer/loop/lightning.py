@@ -12,8 +12,8 @@ Who copies the batch to the device: every batch goes through Lightning's transfe
 - a strategy that yields batches already on the device (`prefetch`, `pinned_chunk`,
   `gpu_resident`, ...): `.to()` of a tensor already on that device returns the tensor itself, so
   nothing is copied twice;
-- a strategy whose copy is just that call after a DataLoader (`baseline`, `pinned`, the seed's
-  own `seed_iterable` loaders; see `DeviceLoader.host_batches`): Lightning gets the host batches
+- a strategy whose copy is just that call after a DataLoader (`baseline`, `pinned`, the DataLoader
+  variants of `iterable_chunks`; see `DeviceLoader.host_batches`): Lightning gets the host batches
   and makes the copy, as it does for any user's DataLoader. This is Lightning's default path.
 
 Where a step's time goes (the columns of steps.csv, one row per step):

@@ -69,8 +69,8 @@ Span = Tuple[float, float]
 
 
 def copy_overlap(trace: Path) -> Dict[str, float]:
-    """Did the host->device copies of a chrome trace run while the GPU computed? (Seed 001's
-    question: "have you checked asynchronous transfer actually occurs?")
+    """Did the host->device copies of a chrome trace run while the GPU computed? (PyTorch
+    Lightning issue #1316's question: "have you checked asynchronous transfer actually occurs?")
 
     `trace_h2d_copies`: the HtoD memcpy events in the trace. `trace_h2d_overlap_fraction` (when
     there is at least one): the share of their GPU time during which a kernel was running on the
