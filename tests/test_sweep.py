@@ -88,7 +88,7 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     for r in children:
         row = rows[r.info.run_id]
         assert (row["loader"], row["model"], row["status"]) == (r.data.tags["strategy"], r.data.tags["model"], "FINISHED")
-        for m in ("throughput_samples_per_s", "gpu_busy_fraction", "data_wait_fraction", "h2d_GBps"):
+        for m in ("throughput_samples_per_s", "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps"):
             assert float(row[m]) == r.data.metrics[m], m
         base = by_setting[("baseline", r.data.tags["model"])].data.metrics["throughput_samples_per_s"]
         assert float(row["speedup_vs_baseline"]) == r.data.metrics["throughput_samples_per_s"] / base

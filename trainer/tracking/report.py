@@ -24,7 +24,7 @@ from mlflow.tracking import MlflowClient
 from trainer.errors import ConfigError
 from trainer.tracking.store import default_uri
 
-METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "gpu_busy_fraction", "data_wait_fraction",
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "compute_stream_span_fraction", "data_wait_fraction",
            "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
 # Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
@@ -32,7 +32,7 @@ PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
 PEAK = "h2d_peak_pinned_GBps"
 FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
-           "gpu_busy_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
+           "compute_stream_span_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
            "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}", PEAK: "{:.2f}"}
 BASELINE = "baseline"
