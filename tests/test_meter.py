@@ -125,7 +125,7 @@ def test_the_copy_ceilings_use_a_full_batch_not_the_last_one(fake_cuda, monkeypa
     assert sampler.batch_bytes == 4096
     monkeypatch.setattr(run_module, "h2d_bandwidth", lambda nbytes, pinned, device: float(nbytes))
     meter = SimpleNamespace(batch_bytes=sampler.batch_bytes, copy_bytes=1024)
-    assert run_module.ceilings(meter, torch.device("cuda")) == {"h2d_peak_pinned_GBps": 4096.0,
+    assert run_module.ceilings(meter, torch.device("cuda")) == {"h2d_batch_mb": 4096 / 2**20, "h2d_peak_pinned_GBps": 4096.0,
                                                                 "h2d_peak_pageable_GBps": 4096.0}
 
 

@@ -128,6 +128,7 @@ class EngineConfig:
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
     gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
     journal_s: float = 2.0  # seconds between writes of the measured steps to the run's journal (0: none; trainer.tracking.journal)
+    kernel_window_steps: int = 20  # steps traced after the timed region for the kernels' own figures (0: none; trainer.tools.profiling)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 
@@ -137,6 +138,7 @@ class EngineConfig:
         at_least("engine.warmup_steps", self.warmup_steps, 0, 5)
         at_least("engine.gpu_timing_every", self.gpu_timing_every, 1, 8)
         at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
+        at_least("engine.kernel_window_steps", self.kernel_window_steps, 0, "20 (or 0: no kernel window)")
         if self.loop not in LOOPS:
             raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {self.loop!r}): set engine.loop=feedbench")
         if self.loop == "lightning":

@@ -1,0 +1,140 @@
+"""Answers, not only numbers: the kernel window's honest device figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from trainer.loop.engine import train
+from trainer.loop.meter import StepMeter
+from trainer.loop.run import run
+from trainer.tools.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
+
+# ----------------------------------------------------------------------------- the kernel window
+def _event(name, cat, ts, dur, pid=0, tid=7, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def _runtime(name, ts, correlation=None, tid=1):
+    return _event(name, "cuda_runtime", ts, 2, pid=4242, tid=tid, **({} if correlation is None else {"correlation": correlation}))
+
+
+def _window_trace(tmp_path: Path, markers=True) -> Path:
+    """Two traced steps after an untraced one (a sync between), as a CUDA-only trace has them:
+    step 0 launches kernels at 110 and 120 that run 200-250 and 300-350 (50 us idle between);
+    step 1 a device copy and a kernel that run back to back, 380-400 and 400-500; a side-stream
+    copy 200-300 runs half under a kernel."""
+    events = [_event("warm", "kernel", 10, 40, correlation=1), _runtime("cudaLaunchKernel", 5, 1)]  # before the window
+    if markers:
+        events += [_runtime("cudaStreamQuery", ts) for ts in (100, 130, 160)]  # the loop thread's step marks
+        events += [_runtime("cudaStreamQuery", ts, tid=9) for ts in (140, 150)]  # another thread's queries
+    events += [_runtime("cudaLaunchKernel", 110, 2), _runtime("cudaLaunchKernel", 120, 3),
+               _runtime("cudaMemcpyAsync", 135, 4), _runtime("cudaLaunchKernel", 140, 5),
+               _event("gemm", "kernel", 200, 50, correlation=2), _event("relu", "kernel", 300, 50, correlation=3),
+               _event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 380, 20, correlation=4),
+               _event("gemm", "kernel", 400, 100, correlation=5),
+               _event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 200, 100, tid=20)]
+    path = tmp_path / "kernel_window.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_kernel_figures_count_the_kernels_not_the_launch_gaps(tmp_path):
+    figures = kernel_figures(_window_trace(tmp_path), steps=2, wall_s=500e-6)
+    assert figures == pytest.approx({
+        "gpu_kernel_busy_fraction": 200 / 500,  # 50 + 50 + 100 us of kernels in 500 us; the warm-up's left out
+        "gpu_kernel_ms_per_step": 0.2 / 2,
+        "launch_gap_ms": (50 + 0) / 1e3 / 2,  # step 0 idles 250-300; step 1's copy fills its span
+        "h2d_overlapped_by_kernels_fraction": 0.5,  # 200-250 of the copy's 200-300 under a kernel
+        "kernel_window_ms_per_step": 0.25})
+
+
+def test_kernel_figures_without_step_markers_keep_the_rest(tmp_path):
+    figures = kernel_figures(_window_trace(tmp_path, markers=False), steps=2, wall_s=500e-6)
+    assert math.isnan(figures["launch_gap_ms"])
+    assert figures["h2d_overlapped_by_kernels_fraction"] == pytest.approx(0.5)
+    assert figures["gpu_kernel_ms_per_step"] == pytest.approx(0.24 / 2)  # without the first mark, the warm-up's kernel counts too
+
+
+def test_a_cpu_run_has_nan_kernel_figures_and_says_why(tiny_cfg, runs):
+    summary = run(tiny_cfg())
+    assert all(math.isnan(summary[k]) for k in WINDOW_FIGURES)  # not measured: nan, never 0
+    assert runs()[0].data.tags["kernel_window"] == "not taken: no CUDA: a CPU run has no kernels to trace"
+    run(tiny_cfg("engine.kernel_window_steps=0"))
+    assert runs()[0].data.tags["kernel_window"] == "not taken: off (engine.kernel_window_steps=0)"
+    assert "compute_stream_span_fraction" in summary and "h2d_beside_step_fraction" in summary
+    assert not {"gpu_busy_fraction", "hidden_h2d_fraction"} & set(summary)  # the old names said more than they measured
+
+
+def test_a_failed_window_never_fails_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainer.tools.profiling._cannot_trace", lambda device: "")
+    window = KernelWindow(3, torch.device("cpu"), tmp_path)
+    assert window.enabled
+    window.run(lambda x, y: x.sum(), iter([(torch.ones(2), torch.ones(2))] * 4))  # no CUDA stream to mark
+    assert window.reason.startswith("failed: ") and not window.enabled
+    assert all(math.isnan(v) for v in window.figures().values())
+
+
+class RecordingWindow:
+    """A kernel window that traces nothing: what `train` hands it, and what it sees meanwhile."""
+
+    enabled = True
+
+    def __init__(self, steps, loader):
+        self.steps, self.loader, self.seen = steps, loader, []
+
+    def run(self, step_fn, batches):
+        for x, y in batches:
+            assert self.loader.copy_probe is None  # the window's copies are not metered
+            step_fn(x, y)
+            self.seen.append(int(x[0]))
+            if len(self.seen) == self.steps + 1:
+                return
+
+
+class Numbered:
+    """Batches 0..n-1 of one pass, each a tensor holding its number."""
+
+    def __init__(self, n):
+        self.n, self.copy_probe, self.closed = n, "meter", 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        try:
+            for i in range(self.n):
+                yield torch.full((2,), float(i)), torch.zeros(2)
+        finally:
+            self.closed += 1
+
+
+def test_the_window_runs_after_the_timed_region_and_changes_nothing_in_it():
+    cfg = OmegaConf.create({"max_steps": 7, "epochs": 1, "warmup_steps": 2, "progress": False, "optimizer": {"lr": 0.1}})
+
+    class Step:
+        graph_replays, eager_steps = 0, 0
+
+        def __call__(self, x, y):
+            self.eager_steps += 1
+            return x.sum()
+
+    results = []
+    for traced in (False, True):
+        loader, step = Numbered(5), Step()
+        window = RecordingWindow(3, loader) if traced else None
+        meter = StepMeter(torch.device("cpu"), 2, capacity=7)
+        assert train(step, loader, meter, cfg, window=window) == 7
+        result = meter.finish()
+        results.append(result)
+        assert step.eager_steps == 7  # the run's own steps, not the window's
+        assert loader.copy_probe == "meter" and loader.closed == 2 + traced  # every pass it began was closed
+        if traced:
+            assert window.seen == [2, 3, 4, 0]  # the rest of the run's last pass, then a new one
+    untimed, traced = results
+    assert len(traced.rows) == len(untimed.rows) == 7 and traced.summary["timed_steps"] == untimed.summary["timed_steps"] == 5
