@@ -1,19 +1,32 @@
-"""Answers, not only numbers: the kernel window's honest device figures."""
+"""Answers, not only numbers: the kernel window's honest device figures, and the tuner's
+objective through Hydra's Optuna sweeper."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from trainer.errors import ConfigError
 from trainer.loop.engine import train
 from trainer.loop.meter import StepMeter
 from trainer.loop.run import run
 from trainer.tools.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
+
+TESTS = Path(__file__).resolve().parent
+# A tiny CPU job, as conftest's TINY, with a model that does nothing (the CPU's step is then only
+# what a test adds: `model.busy_ms`, or nothing).
+TINY_NOOP = ["model=noop", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
+             "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
+
 
 # ----------------------------------------------------------------------------- the kernel window
 def _event(name, cat, ts, dur, pid=0, tid=7, **args):
@@ -138,3 +151,63 @@ def test_the_window_runs_after_the_timed_region_and_changes_nothing_in_it():
             assert window.seen == [2, 3, 4, 0]  # the rest of the run's last pass, then a new one
     untimed, traced = results
     assert len(traced.rows) == len(untimed.rows) == 7 and traced.summary["timed_steps"] == untimed.summary["timed_steps"] == 5
+
+
+# ----------------------------------------------------------------------------- the tuner
+def test_the_entry_point_returns_the_objective_to_hydra(tiny_cfg, runs):
+    from trainer.__main__ import main
+    value = main(tiny_cfg())  # Hydra's decorator hands a given config straight to the task
+    assert value == runs()[0].data.metrics["throughput_samples_per_s"]
+    assert main(tiny_cfg("engine.objective=ms_per_step")) == runs()[0].data.metrics["ms_per_step"]
+    with pytest.raises(ConfigError, match="engine.objective must be one of .*: set engine.objective=throughput_samples_per_s"):
+        run(tiny_cfg("engine.objective=speed"))
+
+
+def test_loader_knobs_are_suggested_only_where_a_strategy_has_them():
+    optuna = pytest.importorskip("optuna")
+    from trainer.tools.tuning import loader_knobs
+
+    def knobs(loader, **fixed):
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        trial = study.ask()
+        trial.suggest_categorical("loader", [loader])
+        for key, value in fixed.items():
+            trial.set_user_attr(key, value)
+        loader_knobs(OmegaConf.create({"loader": {"name": "baseline"}}), trial)
+        return trial.params
+
+    gather = knobs("pinned_gather")
+    assert set(gather) == {"loader", "loader.depth", "loader.threads"}  # no DataLoader, so none of its knobs
+    pinned = knobs("pinned", **{"loader.num_workers": 2})  # fixed on the command line: left as it is
+    assert set(pinned) == {"loader", "loader.non_blocking", "loader.prefetch_factor", "loader.persistent_workers"}
+    assert set(knobs("baseline", **{"loader.num_workers": 0})) == {"loader"}  # without workers they change nothing
+
+
+def fail_the_second_trial(cfg, trial) -> None:
+    """The study test's search space: trial 1 asks for -1 DataLoader workers, which no run accepts."""
+    if trial.number == 1:
+        trial.suggest_categorical("loader.num_workers", [-1])
+    else:
+        trial.suggest_categorical("loader.drop_last", [False])
+
+
+def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, tracking_uri):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    cmd = [sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=3",
+           "hydra.sweeper.params.loader=baseline", "hydra.sweeper.custom_search_space=test_advise.fail_the_second_trial",
+           *TINY_NOOP, "engine.max_steps=4", f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("tune_dataloader")
+    found = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in found if r.data.tags.get("sweep") == "true"]
+    trials = {r.data.tags["sweep.job"]: r for r in found if r is not parent}
+    assert sorted(trials) == ["0", "1", "2"] and trials["1"].info.status == "FAILED"
+    assert trials["0"].info.status == trials["2"].info.status == "FINISHED"
+    best = max((trials["0"], trials["2"]), key=lambda r: r.data.metrics["throughput_samples_per_s"])
+    assert parent.data.tags["best_run_id"] == best.info.run_id
+    assert f"best: job {best.data.tags['sweep.job']} (run {best.info.run_id}): throughput_samples_per_s=" in proc.stdout
+    results = OmegaConf.load(tmp_path / "multirun" / "optimization_results.yaml")  # Optuna's own answer agrees
+    assert results.best_value == pytest.approx(best.data.metrics["throughput_samples_per_s"])

@@ -5,6 +5,7 @@ for the full trace). Ctrl-C and SIGTERM close the run as KILLED, keeping what it
 exit with 130 and 143. Under torchrun every rank runs this; rank 0 prints (`trainer.loop.distributed`).
 """
 
+import math
 import os
 import signal
 import sys
@@ -40,9 +41,9 @@ def one_line(err: BaseException) -> str:
 # The checkout's conf/, or the copy a wheel carries (trainer.config.CONF_DIR): an absolute path,
 # so an installed package finds its configs wherever it is run from.
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(cfg) -> None:
+def main(cfg) -> float:
     try:
-        run(cfg, on_timed_start=[pause_if_asked])  # under trainer.tools.turns: stop where the timed region begins
+        summary = run(cfg, on_timed_start=[pause_if_asked])  # under trainer.tools.turns: stop where the timed region begins
     except (ConfigError, RunFailed) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -56,6 +57,8 @@ def main(cfg) -> None:
         if distributed.is_main_process() or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise SystemExit(EXIT_FAILED) from None  # another rank's crash: rank 0 reports it, from the store
+    # What a Hydra sweeper optimises (experiment=tune_dataloader): nan when the run lacks the figure.
+    return float(summary.get(cfg.engine.objective, math.nan))
 
 
 def _terminate(signum, frame) -> None:
