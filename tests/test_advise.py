@@ -1,5 +1,5 @@
-"""Answers, not only numbers: the kernel window's honest device figures, and the tuner's
-objective through Hydra's Optuna sweeper."""
+"""Answers, not only numbers: the kernel window's honest device figures, the advisor's verdict and
+changes, and the tuner's objective through Hydra's Optuna sweeper."""
 
 from __future__ import annotations
 
@@ -15,10 +15,13 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from conftest import compose_config
 from trainer.errors import ConfigError
 from trainer.loop.engine import train
 from trainer.loop.meter import StepMeter
 from trainer.loop.run import run
+from trainer.tools import advisor
+from trainer.tools.advisor import Ladder, judge, predict, recommend, candidates, tolerance
 from trainer.tools.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
 
 TESTS = Path(__file__).resolve().parent
@@ -151,6 +154,162 @@ def test_the_window_runs_after_the_timed_region_and_changes_nothing_in_it():
             assert window.seen == [2, 3, 4, 0]  # the rest of the run's last pass, then a new one
     untimed, traced = results
     assert len(traced.rows) == len(untimed.rows) == 7 and traced.summary["timed_steps"] == untimed.summary["timed_steps"] == 5
+
+
+# ----------------------------------------------------------------------------- the verdict
+def ladder(**values) -> Ladder:
+    return Ladder(**{"graphed": False, "strategy": "baseline", "tolerance": 0.03, **values})
+
+
+@pytest.mark.parametrize("values, bound", [
+    # the host makes a batch in 9.5 ms, the step alone takes 1: feeding is the cost, and not the copy
+    (dict(configured=10.0, ceiling_eager=1.0, feed=9.5), "input"),
+    # the copy alone takes what the feed does
+    (dict(configured=3.0, ceiling_eager=1.0, feed=2.2, copy_achieved=2.1), "copy"),
+    # a 15 ms step, a 5.5 ms feed whose 2.5 ms copy is what the run pays on top of the step
+    (dict(configured=17.5, ceiling_eager=15.0, ceiling_graphed=14.9, feed=5.5, copy_achieved=2.5), "copy"),
+    # an eager step of 1.8 ms that its graph does in 0.8, fed in 0.35 beside it
+    (dict(configured=1.9, ceiling_eager=1.8, ceiling_graphed=0.8, feed=0.35, copy_achieved=0.33,
+          strategy="pinned_chunk"), "launch"),
+    # within the tolerance of its ceiling, graphed or not
+    (dict(configured=15.2, ceiling_eager=15.0, ceiling_graphed=14.9, feed=1.0, strategy="gpu_resident"), "compute"),
+    (dict(configured=0.81, ceiling_graphed=0.8, ceiling_eager=1.8, feed=0.35, graphed=True,
+          strategy="pinned_chunk"), "compute"),
+])
+def test_the_bound_is_what_the_ceilings_say_costs_the_most(values, bound):
+    assert judge(ladder(**values)).bound == bound
+
+
+def test_the_tolerance_is_the_ceilings_own_jitter():
+    assert tolerance({"ms_per_step": 10.0, "median_step_ms": 9.0}) == pytest.approx(0.1)
+    assert tolerance({"ms_per_step": 10.0, "median_step_ms": 10.0}) == 0.03  # a few percent at least
+    assert tolerance({"ms_per_step": 10.0, "median_step_ms": 5.0}) == 0.2  # at most
+    # A gap of 5% is the run's bound with a steady ceiling, noise with a jittery one.
+    steady = ladder(configured=1.05, ceiling_eager=1.0, feed=0.5, tolerance=0.03)
+    assert judge(steady).bound == "input" and judge(ladder(**{**steady.__dict__, "tolerance": 0.1})).bound == "compute"
+
+
+def test_changes_are_predicted_from_the_ladder_fastest_first():
+    found = ladder(configured=10.0, ceiling_eager=1.0, feed=9.5, feeds={"loader=pinned_chunk": 0.5,
+                                                                         "loader.num_workers=4": 3.0})
+    verdict = judge(found)
+    loader_cfg = OmegaConf.create({"num_workers": 0})
+    options = candidates(found, verdict, loader_cfg)
+    assert [c.overrides[0] for c in options][:2] == ["loader=gpu_resident", "loader=pinned_chunk"]
+    options = [c for c in options if not c.overrides[0].startswith("loader.num_workers")]
+    changes = recommend(found, options)
+    # gpu_resident is the ceiling rung itself; pinned_chunk's feed beside the step, on one CPU thread
+    assert [(c.overrides, c.predicted_ms) for c in changes] == [(["loader=gpu_resident"], 1.0),
+                                                                (["loader=pinned_chunk"], pytest.approx(1.5))]
+    assert predict(1.0, 9.5, 1.0) == 10.5 and predict(1.0, 9.5, 0.0) == 9.5
+    # A change that would not save more than the tolerance is not offered.
+    assert recommend(ladder(configured=1.02, ceiling_eager=1.0, feed=0.1), options[:1]) == []
+
+
+# ----------------------------------------------------------------------------- the advisor, end to end
+def _advise(tracking_uri, *overrides, verify=False):
+    cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}", *overrides)
+    return advisor.advise(cfg, steps=4, verify=verify, log=lambda line: None)
+
+
+def test_a_loader_slowed_on_purpose_is_judged_input_and_recorded(tracking_uri):
+    # Every batch is a chunk 'read from disk' in 40 ms; the ceiling uploads them once, up front.
+    result = _advise(tracking_uri, "loader=seed_iterable", "dataset.chunks=6", "dataset.load_ms=40", verify=True)
+    assert result["bound"] == "input"
+    top = result["changes"][0]
+    assert top.overrides == ["loader=gpu_resident"] and top.predicted_ms < 10 and top.measured_ms < 10
+    ladder_ = result["ladder"]
+    assert ladder_.feed >= 35 and ladder_.configured >= 35 and ladder_.ceiling_eager < 10
+    # What a CPU cannot measure is said, not zero.
+    assert {"ceiling, graphed", "copy", "kernels"} <= set(ladder_.missing)
+    assert "not measured: ceiling, graphed (no CUDA" in result["text"]
+
+    client = MlflowClient(tracking_uri)
+    advice = client.get_run(result["run_id"])
+    assert advice.info.status == "FINISHED" and advice.data.tags["bound"] == "input"
+    assert advice.data.tags["change1"] == "loader=gpu_resident"
+    assert advice.data.metrics["ladder.configured_ms"] == ladder_.configured
+    assert advice.data.metrics["ladder.feed_ms"] == ladder_.feed and "ladder.ceiling_graphed_ms" not in advice.data.metrics
+    assert advice.data.metrics["change1.measured_ms"] == top.measured_ms
+    text = Path(client.download_artifacts(result["run_id"], "advice.md")).read_text()
+    assert "bound: input" in text and "loader=gpu_resident" in text
+    rungs = client.search_runs([advice.info.experiment_id], f"tags.`mlflow.parentRunId` = '{result['run_id']}'")
+    assert {r.info.run_name for r in rungs} >= {"advise: configured", "advise: ceiling, eager", "advise: feed alone",
+                                                 "advise: verify loader=gpu_resident"}
+
+
+def test_a_busy_model_is_judged_compute(tracking_uri, capsys):
+    assert advisor.main(["--steps", "3", *TINY_NOOP, "model.busy_ms=150", f"tracking.uri={tracking_uri}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("bound: compute — ") and "changes: none predicted" in out
+    (advice,) = [r for r in MlflowClient(tracking_uri).search_runs(["0", *_experiments(tracking_uri)])
+                 if r.data.tags.get("advise") == "true"]
+    assert advice.data.tags["bound"] == "compute"
+
+
+def _experiments(uri):
+    return [e.experiment_id for e in MlflowClient(uri).search_experiments()]
+
+
+def test_a_config_the_run_refuses_is_one_line(tracking_uri, capsys):
+    assert advisor.main(["--steps", "2", *TINY_NOOP, "loader.batch_size=1000", f"tracking.uri={tracking_uri}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: the run as configured failed: ") and "loader.batch_size" in err
+
+
+def simulated_gpu(cfg) -> dict:
+    """A run's summary on a made-up GPU, from its config alone: seed 000's workload fed by a
+    DataLoader (5 ms a batch alone), its eager step 0.6 ms fed from the device, 0.2 graphed."""
+    loader, model, graphed = cfg.loader.name, cfg.model.name, cfg.engine.cuda_graph
+    feeds = {"baseline": 5.0, "pinned": 3.0, "prefetch": 3.0, "pinned_chunk": 0.4, "gpu_resident": 0.01}
+    feed = 2.5 if cfg.loader.num_workers else feeds[loader]
+    step = 0.2 if graphed else 0.6
+    ms = {"noop": feed, "autoencoder": {"baseline": feed + step, "pinned_chunk": 0.9, "gpu_resident": step}[loader]}[model]
+    if loader == "gpu_resident" and cfg.loader.shuffle:
+        ms += 0.02  # the gather of a shuffled batch
+    summary = {"ms_per_step": ms, "median_step_ms": ms, "h2d_batch_mb": 16.0, "median_h2d_ms": 2.0,
+               "h2d_peak_pinned_GBps": 50.0, "h2d_peak_pageable_GBps": 8.0}
+    if cfg.engine.kernel_window_steps:
+        summary.update(gpu_kernel_ms_per_step=0.15, gpu_kernel_busy_fraction=0.15 / ms, launch_gap_ms=0.4,
+                       h2d_overlapped_by_kernels_fraction=0.0 if loader == "baseline" else math.nan)
+    return summary
+
+
+def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, monkeypatch):
+    """The GPU's rungs (graphed ceiling, copy, kernel windows, verified changes) on a simulated
+    device: which runs the advisor asks for, and what it concludes from their figures."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    monkeypatch.setattr(advisor, "max_workers", lambda: 4)
+    asked = []
+
+    def run_fn(cfg):
+        asked.append((cfg.tracking.run_name, cfg.engine.max_steps, cfg.engine.kernel_window_steps))
+        return simulated_gpu(cfg)
+
+    cfg = compose_config("dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.warmup_steps=5",
+                         f"tracking.uri={tracking_uri}")
+    result = advisor.advise(cfg, steps=100, verify=True, run_fn=run_fn, log=lambda line: None)
+    ladder_ = result["ladder"]
+    assert (ladder_.configured, ladder_.ceiling_eager, ladder_.ceiling_graphed, ladder_.feed) == (5.6, 0.6, 0.2, 5.0)
+    assert ladder_.copy_achieved == 2.0 and ladder_.copy_pinned == pytest.approx(16 * 2**20 / 50e6)
+    # Feeding costs 5 ms a step, launching 0.4; the copy is 2 of the feed's 5: the host is the bound.
+    assert result["bound"] == "input" and not ladder_.missing
+    assert [(c.overrides, round(c.predicted_ms, 3), c.measured_ms) for c in result["changes"]] == [
+        (["loader=gpu_resident"], 0.6, 0.62),
+        (["loader=pinned_chunk"], round(0.6 + (1 - 0.2 / 0.6) * 0.4, 3), 0.9),  # its feed beside the eager step's host share
+        (["loader.num_workers=4"], 3.1, 2.5 + 0.6)]  # the in-line copy still takes turns with the step
+    # Timing rungs first, without a window; the kernel windows last, one timed step each.
+    names = [name for name, _, _ in asked]
+    assert names[:4] == ["advise: configured", "advise: ceiling, eager", "advise: ceiling, graphed", "advise: feed alone"]
+    assert names[-2:] == ["advise: kernels of configured", "advise: kernels of ceiling, eager"]
+    assert all(window == 0 and steps == 105 for _, steps, window in asked[:-2])
+    assert all(window == 20 and steps == 6 for _, steps, window in asked[-2:])
+    assert ladder_.kernels["ceiling, eager"]["gpu_kernel_ms_per_step"] == 0.15
+    assert "launch gaps 0.400 ms/step" in result["text"] and "Simulated GPU" in result["text"]
+    metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
+    assert metrics["ladder.ceiling_graphed_ms"] == 0.2 and metrics["change3.measured_ms"] == pytest.approx(3.1)
+    assert metrics["kernels.configured.launch_gap_ms"] == 0.4
 
 
 # ----------------------------------------------------------------------------- the tuner
