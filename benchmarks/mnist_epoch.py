@@ -60,7 +60,7 @@ def table(uri: str, names: List[Tuple[str, str]]) -> str:
     """Markdown table of the runs called `names` ((label, run name) pairs), read from MLflow."""
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
-    lines = ["| case | epoch (s) | samples/s | data wait | GPU busy | final loss | MLflow run |",
+    lines = ["| case | epoch (s) | samples/s | data wait | stream span | final loss | MLflow run |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for label, name in names:
         found = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{name}'")
@@ -69,7 +69,7 @@ def table(uri: str, names: List[Tuple[str, str]]) -> str:
             continue
         m = found[0].data.metrics
         lines.append(f"| {label} | {m['timed_wall_s']:.2f} | {m['throughput_samples_per_s']:,.0f} | "
-                     f"{m['data_wait_fraction']:.2f} | {m['gpu_busy_fraction']:.2f} | {m['final_loss']:.3f} | {name} |")
+                     f"{m['data_wait_fraction']:.2f} | {m['compute_stream_span_fraction']:.2f} | {m['final_loss']:.3f} | {name} |")
     return "\n".join(lines)
 
 

@@ -200,11 +200,11 @@ def loaders_table(sweep: Sweep) -> str:
         rows.append([f"{label} (`{variant}`)", f"{published:.2f}", f"{NOTEBOOK_LOADERS['no_pinning'] / published:.2f}",
                      cell(m(ae, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(ae), "{:,.0f}"),
                      cell(ratio(m(ae, "throughput_samples_per_s"), ref["autoencoder"])),
-                     cell(m(ae, "data_wait_fraction")), cell(m(ae, "gpu_busy_fraction")),
+                     cell(m(ae, "data_wait_fraction")), cell(m(ae, "compute_stream_span_fraction")),
                      cell(m(noop, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(noop), "{:,.0f}"),
                      cell(ratio(m(noop, "throughput_samples_per_s"), ref["noop"]))])
     return table(["variant", "the notebook (s)", "the notebook: speed vs no pinning", "autoencoder samples/s", "plain loop samples/s",
-                  "vs no pinning", "data wait", "GPU busy", "do-nothing model samples/s", "plain loop samples/s",
+                  "vs no pinning", "data wait", "stream span", "do-nothing model samples/s", "plain loop samples/s",
                   "vs no pinning"], rows)
 
 
@@ -242,9 +242,9 @@ def mnist_mlp_table(sweep: Sweep) -> str:
         label = {("baseline", "0"): " (the notebook's first loader)", ("pinned", "8"): " (its second)"}.get((name, workers), "")
         rows.append([f"`{name}`{label}", workers, cell(published), cell(m(r, "timed_wall_s")), cell(plain_time(m(r, "timed_wall_s"), r)),
                      cell(m(r, "throughput_samples_per_s"), "{:,.0f}"), cell(ratio(m(r, "throughput_samples_per_s"), ref)),
-                     cell(m(r, "data_wait_fraction")), cell(m(r, "gpu_busy_fraction"))])
+                     cell(m(r, "data_wait_fraction")), cell(m(r, "compute_stream_span_fraction"))])
     return table(["loader", "workers", "the notebook (s per epoch)", "ours: epoch 2 (s)", "plain loop: epoch 2 (s)", "samples/s", "vs the first loader",
-                  "data wait", "GPU busy"], rows, numeric_from=2)
+                  "data wait", "stream span"], rows, numeric_from=2)
 
 
 def dataloader_grid_table(sweep: Sweep) -> str:
@@ -257,9 +257,9 @@ def dataloader_grid_table(sweep: Sweep) -> str:
         prefetch = r.data.params["loader.prefetch_factor"] + (" (unused)" if workers == "0" else "")
         rows.append([CASES[_case(r)], workers, prefetch, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(r), "{:,.0f}"),
                      cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "data_wait_fraction")),
-                     cell(m(r, "gpu_busy_fraction")), cell(m(r, "h2d_GBps"))])
+                     cell(m(r, "compute_stream_span_fraction")), cell(m(r, "h2d_GBps"))])
     return table(["pin_memory / copy", "workers", "prefetch_factor", "samples/s", "plain loop samples/s", "vs pageable, 0 workers",
-                  "data wait", "GPU busy", "copy GB/s"], rows, numeric_from=3)
+                  "data wait", "stream span", "copy GB/s"], rows, numeric_from=3)
 
 
 LIGHTNING_STRATEGIES = {
@@ -305,10 +305,10 @@ def gpu_prefetch_table(sweep: Sweep) -> str:
             r = sweep.find(engine__loop=loop, loader__name=loader, model__busy_ms=busy)
             rows.append([f"autoencoder{' + 2 ms' if busy == '2.0' else ''}", label, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
                          cell(plain_rate(r), "{:,.0f}"), cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "median_step_ms"), "{:.3f}"),
-                         cell(m(r, "median_h2d_ms"), "{:.3f}"), cell(m(r, "h2d_GBps")), cell(m(r, "hidden_h2d_fraction")),
+                         cell(m(r, "median_h2d_ms"), "{:.3f}"), cell(m(r, "h2d_GBps")), cell(m(r, "h2d_beside_step_fraction")),
                          cell(m(r, "trace_h2d_overlap_fraction")), cell(m(r, "lightning_fraction"), "{:.3f}")])
     return table(["model", "loop", "samples/s", "plain loop samples/s", "vs Lightning's default", "step (ms)", "copy (ms)", "copy GB/s",
-                  "copy hidden (events)", "copy during kernels (trace)", "Lightning's share"], rows, numeric_from=2)
+                  "copy beside step (events)", "copy during kernels (trace)", "Lightning's share"], rows, numeric_from=2)
 
 
 TABLES: Dict[str, Callable[[Sweep], str]] = {"limits": limits_table, "copy_4gb": copy_table, "iterable_chunk_loaders": loaders_table,

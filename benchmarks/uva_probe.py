@@ -162,7 +162,7 @@ def part_c(steps: int, warmup: int) -> None:
 
     uri = f"sqlite:///{tempfile.mkdtemp(prefix='uva_probe-')}/mlflow.db"
     keys = ("ms_per_step", "host_cpu_ms_per_step", "median_compute_ms", "median_h2d_ms", "h2d_GBps",
-            "h2d_peak_pinned_GBps", "hidden_h2d_fraction", "data_wait_fraction", "setup_s", "peak_gpu_mem_mb",
+            "h2d_peak_pinned_GBps", "h2d_beside_step_fraction", "data_wait_fraction", "setup_s", "peak_gpu_mem_mb",
             "pinned_host_mb")
     jobs = []
     for experiment, model in (("bench_strategies", "autoencoder"), ("bench_bandwidth", "noop")):

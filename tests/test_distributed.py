@@ -150,7 +150,7 @@ def test_checksums_of_shards_combine_into_the_whole():
 
 def test_summaries_combine_into_the_run_figures():
     a = {"throughput_samples_per_s": 100.0, "timed_wall_s": 2.0, "data_wait_fraction": 0.2, "h2d_GBps": 10.0,
-         "gpu_busy_fraction": 0.5, "total_samples": 250.0, "total_steps": 5.0, "pinned_host_mb": 30.0,
+         "compute_stream_span_fraction": 0.5, "total_samples": 250.0, "total_steps": 5.0, "pinned_host_mb": 30.0,
          "peak_gpu_mem_mb": 7.0, "timed_start_unix_s": 10.0, "timed_end_unix_s": 12.0, "final_loss": 1.5,
          "h2d_peak_pinned_GBps": 50.0, "median_step_ms": 4.0}
     b = dict(a, throughput_samples_per_s=50.0, timed_wall_s=4.0, data_wait_fraction=0.4, h2d_GBps=20.0,
@@ -367,7 +367,7 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     assert (done.data.tags["world_size"], done.data.tags["backend"], done.data.tags["steps_per_rank"]) == ("2", "gloo", "6,6")
     m = done.data.metrics
     assert m["total_samples"] == 202 and m["total_steps"] == 6
-    assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "gpu_busy_fraction")} <= set(m)
+    assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction")} <= set(m)
     assert m["aggregate_h2d_GBps"] == m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
     assert len(steps_csv(tracking_uri, done.info.run_id)) == 6
     assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}

@@ -68,8 +68,8 @@ def test_cuda_events_time_the_steps_and_copies_of_the_sampled_runs(every, tiny_c
     assert all(float(x["compute_ms"]) > 0 for x, e in zip(rows, expect) if e)
     history = MlflowClient(tracking_uri).get_metric_history(r.info.run_id, "compute_ms")
     assert sorted(m.step for m in history) == [i + 1 for i, e in enumerate(expect) if e]
-    assert summary["median_compute_ms"] > 0 and summary["h2d_GBps"] > 0 and 0 < summary["gpu_busy_fraction"]
-    assert 0 <= summary["hidden_h2d_fraction"] <= 1
+    assert summary["median_compute_ms"] > 0 and summary["h2d_GBps"] > 0 and 0 < summary["compute_stream_span_fraction"]
+    assert 0 <= summary["h2d_beside_step_fraction"] <= 1
 
 
 @pytest.mark.parametrize("shuffle", ["false", "true"])

@@ -33,7 +33,7 @@ from trainer.tracking.runs import PER_STEP_METRICS
 from trainer.validate import validate
 
 STRATEGIES = list(LOADERS)
-CONTRACT = ["throughput_samples_per_s", "data_wait_fraction", "gpu_busy_fraction", "h2d_GBps", "hidden_h2d_fraction",
+CONTRACT = ["throughput_samples_per_s", "data_wait_fraction", "compute_stream_span_fraction", "h2d_GBps", "h2d_beside_step_fraction",
             "setup_s", "peak_gpu_mem_mb", "pinned_host_mb", "total_steps", "total_samples", "timed_wall_s",
             "median_step_ms", "final_loss"]
 
@@ -483,7 +483,7 @@ def test_gpu_trace_side_stream_copies_overlap_and_lightning_does_not_copy_again(
     assert prefetch["trace_h2d_overlap_fraction"] > 0.5  # hidden behind the 20 ms steps (all but the first traced batch)
     assert in_line["trace_h2d_overlap_fraction"] < 0.1  # queued on the compute stream, in line with the steps
     # The meter's CUDA events say the same over the timed steps, in either loop.
-    assert prefetch["hidden_h2d_fraction"] > 0.8 and in_line["hidden_h2d_fraction"] < 0.1
+    assert prefetch["h2d_beside_step_fraction"] > 0.8 and in_line["h2d_beside_step_fraction"] < 0.1
     r = next(r for r in runs() if r.data.tags["strategy"] == "prefetch")
     events = json.loads(Path(MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json")).read_text())["traceEvents"]
     # Device-ready batches: no second copy. The only device-to-device copies are the meter's: each

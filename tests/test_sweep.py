@@ -88,7 +88,7 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     for r in children:
         row = rows[r.info.run_id]
         assert (row["loader"], row["model"], row["status"]) == (r.data.tags["strategy"], r.data.tags["model"], "FINISHED")
-        for m in ("throughput_samples_per_s", "gpu_busy_fraction", "data_wait_fraction", "h2d_GBps"):
+        for m in ("throughput_samples_per_s", "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps"):
             assert float(row[m]) == r.data.metrics[m], m
         base = by_setting[("baseline", r.data.tags["model"])].data.metrics["throughput_samples_per_s"]
         assert float(row["speedup_vs_baseline"]) == r.data.metrics["throughput_samples_per_s"] / base
@@ -105,8 +105,11 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     assert parent.info.run_id in lines[0]
     head = lines[1].split()
     assert head[:4] == ["job", "loader", "model", "status"] and "speedup_vs_baseline" in head
-    assert len(lines) == 2 + 1 + 4  # title, header, rule, one line per job
-    assert len({len(line) for line in lines[1:]}) <= 2  # aligned: the rule and the rows as wide as the header
+    assert len(lines) == 2 + 1 + 4 + 1  # title, header, rule, one line per job, the best job
+    assert len({len(line) for line in lines[1:-1]}) <= 2  # aligned: the rule and the rows as wide as the header
+    fastest = max(children, key=lambda r: r.data.metrics["throughput_samples_per_s"])
+    assert lines[-1].startswith(f"best: job {fastest.data.tags['sweep.job']} (run {fastest.info.run_id}): ")
+    assert client.get_run(parent.info.run_id).data.tags["best_run_id"] == fastest.info.run_id
     for r in children:
         line = next(x for x in lines[3:] if x.split()[0] == r.data.tags["sweep.job"])
         assert line.split()[1:3] == [r.data.tags["strategy"], r.data.tags["model"]]
@@ -206,7 +209,8 @@ def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, t
     assert report.main(["--uri", tracking_uri, "--sweep", child.info.run_id]) == 0
     out = capsys.readouterr().out.splitlines()
     assert parent_id in out[0] and out[1].split()[:3] == ["job", "loader", "status"]
-    assert sorted(line.split()[1] for line in out[3:]) == ["baseline", "pinned"]
+    assert sorted(line.split()[1] for line in out[3:-1]) == ["baseline", "pinned"]
+    assert out[-1].startswith("best: job ") and "throughput_samples_per_s=" in out[-1]  # the fastest job
     assert "engine_vs_plain" not in out[1]
 
     # --plain: each job's config run again as a plain loop in its own process, logged on the job.

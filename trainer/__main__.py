@@ -7,6 +7,7 @@ exit with 130 and 143. Under torchrun every rank runs this; rank 0 prints (`trai
 
 import difflib
 import errno
+import math
 import os
 import signal
 import sys
@@ -57,9 +58,9 @@ def closed(err: BaseException, status: str) -> str:
 # The checkout's conf/, or the copy a wheel carries (trainer.config.CONF_DIR): an absolute path,
 # so an installed package finds its configs wherever it is run from.
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
-def main(cfg) -> None:
+def main(cfg) -> float:
     try:
-        run(cfg, on_timed_start=[pause_if_asked])  # under trainer.tools.turns: stop where the timed region begins
+        summary = run(cfg, on_timed_start=[pause_if_asked])  # under trainer.tools.turns: stop where the timed region begins
     except (ConfigError, RunFailed) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -73,6 +74,8 @@ def main(cfg) -> None:
         if distributed.is_main_process() or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise SystemExit(EXIT_FAILED) from None  # another rank's crash: rank 0 reports it, from the store
+    # What a Hydra sweeper optimises (experiment=tune_dataloader): nan when the run lacks the figure.
+    return float(summary.get(cfg.engine.objective, math.nan))
 
 
 def _terminate(signum, frame) -> None:

@@ -40,6 +40,9 @@ BASE_DIR = Path.cwd() if INSTALLED else PROJECT_ROOT
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 LOOPS = ("feedbench", "lightning")
+# What `python -m trainer` returns to Hydra (a sweeper optimises it), and in which direction it is better.
+OBJECTIVES = {"throughput_samples_per_s": "maximize", "ms_per_step": "minimize", "median_step_ms": "minimize",
+              "data_wait_fraction": "minimize", "gpu_kernel_busy_fraction": "maximize"}
 MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
 
 
@@ -128,6 +131,8 @@ class EngineConfig:
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
     gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
     journal_s: float = 2.0  # seconds between writes of the measured steps to the run's journal (0: none; trainer.tracking.journal)
+    kernel_window_steps: int = 20  # steps traced after the timed region for the kernels' own figures (0: none; trainer.tools.profiling)
+    objective: str = "throughput_samples_per_s"  # the summary figure returned to Hydra, for a sweeper to optimise (OBJECTIVES)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 
@@ -137,6 +142,10 @@ class EngineConfig:
         at_least("engine.warmup_steps", self.warmup_steps, 0, 5)
         at_least("engine.gpu_timing_every", self.gpu_timing_every, 1, 8)
         at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
+        at_least("engine.kernel_window_steps", self.kernel_window_steps, 0, "20 (or 0: no kernel window)")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"engine.objective must be one of {', '.join(OBJECTIVES)} (got {self.objective!r}): "
+                              f"set engine.objective=throughput_samples_per_s")
         # seeds torch's generators, directly and as `seed * 1_000_003 + epoch` (the loaders' shuffles):
         # within 32 bits both fit torch's 64-bit seeds
         if not 0 <= self.seed < 2**32:
@@ -206,6 +215,9 @@ def register() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("base_dir"):
         OmegaConf.register_new_resolver("base_dir", lambda: str(BASE_DIR))  # Hydra's folders: under outputs/ there
+    if not OmegaConf.has_resolver("objective_direction"):
+        # A sweeper's direction from the objective's (`hydra.sweeper.direction: ${objective_direction:${engine.objective}}`).
+        OmegaConf.register_new_resolver("objective_direction", lambda name: OBJECTIVES.get(name, "maximize"))
     if not OmegaConf.has_resolver("launch_time"):
         # `${now:}` as rank 0 read it: under torchrun every rank composes its own config, and
         # Hydra's output folder would otherwise differ from rank to rank. Cached, like `now`.

@@ -37,7 +37,7 @@ from trainer.memory import check_model_fits
 from trainer.tools.environment import describe
 from trainer.tools.heap import steady_heap
 from trainer.tools.limits import h2d_bandwidth
-from trainer.tools.profiling import StepProfiler, copy_overlap
+from trainer.tools.profiling import KernelWindow, StepProfiler, copy_overlap
 from trainer.tracking.journal import JOURNAL, Journal, owner_tags, recover_dead_runs
 from trainer.tracking.runs import Tracker
 from trainer.tracking.store import check_tracking_uri
@@ -64,6 +64,7 @@ class Parts:
     profiler: StepProfiler
     tmp: Path
     mem_base: int = 0  # GPU memory allocated before the run (`gpu_memory_baseline`)
+    window: Optional[KernelWindow] = None  # steps traced after the timed region (`engine.kernel_window_steps`)
     step: object = None  # the step the loop ran (its graph_replays / eager_steps), set by the loop
 
 
@@ -163,7 +164,17 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start:
     return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
                  graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
                  profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
-                 mem_base=mem_base)
+                 mem_base=mem_base, window=KernelWindow(cfg.engine.kernel_window_steps, device, tmp,
+                                                        off_because=_no_window(cfg, ranks)))
+
+
+def _no_window(cfg, ranks: Ranks) -> str:
+    """Why this run takes no kernel window whatever its device ("" when nothing forbids it)."""
+    if cfg.engine.loop != "feedbench":
+        return f"engine.loop={cfg.engine.loop}: the window's steps are the feedbench loop's"
+    if ranks.enabled:
+        return "several ranks: every rank would have to take the same extra steps"
+    return ""
 
 
 def _journal(parts: Parts, tracker) -> Optional[Journal]:
@@ -213,6 +224,8 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
             summary.update(ranks.ceilings(lambda: ceilings(meter, parts.device), meter.batch_bytes))
             summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
     finally:
+        if error is None:
+            summary.update(_window_figures(parts.window, tracker))
         tracker.log_summary(summary)
         if verified is not None:
             tracker.set_tags(verified)
@@ -223,6 +236,19 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
             tracker.log_summary(overlap)
             summary.update(overlap)
     return summary, error
+
+
+def _window_figures(window: Optional[KernelWindow], tracker) -> dict:
+    """The kernel window's figures (nan when none was taken, and the tag `kernel_window` says why),
+    its trace an artifact."""
+    if window is None:
+        return {}
+    figures = window.figures()
+    tracker.set_tags({"kernel_window": f"{window.done} steps after the timed region" if window.enabled
+                      else f"not taken: {window.reason}"})
+    if window.enabled and window.trace.is_file():
+        tracker.log_artifact(window.trace)
+    return figures
 
 
 def _step_counts(step) -> dict:
@@ -277,5 +303,5 @@ def ceilings(meter: StepMeter, device: torch.device) -> dict:
     if device.type != "cuda" or not meter.batch_bytes:
         return {}
     nbytes = meter.batch_bytes
-    return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
+    return {"h2d_batch_mb": nbytes / 2**20, "h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
             "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}

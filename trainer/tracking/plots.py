@@ -111,8 +111,8 @@ def comparison(rows: List[dict], label_keys: Sequence[str], path: Path, title: s
     height = 0.38
     right.barh([y + height / 2 for y in ypos], [value(r, "data_wait_fraction") for r in rows], height,
                color=COLOURS["data_wait_ms"], label="data_wait_fraction")
-    right.barh([y - height / 2 for y in ypos], [value(r, "gpu_busy_fraction") for r in rows], height,
-               color=COLOURS["compute_ms"], label="gpu_busy_fraction")
+    right.barh([y - height / 2 for y in ypos], [value(r, "compute_stream_span_fraction") for r in rows], height,
+               color=COLOURS["compute_ms"], label="compute_stream_span_fraction")
     right.set_xlim(0, 1.05)
     right.set_xlabel("fraction of timed wall time")
     fig.legend(*right.get_legend_handles_labels(), loc="outside lower right", fontsize="small", ncols=2)

@@ -21,10 +21,11 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from trainer.config import OBJECTIVES
 from trainer.errors import ConfigError
 from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
 
-METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "gpu_busy_fraction", "data_wait_fraction",
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "compute_stream_span_fraction", "data_wait_fraction",
            "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
 # Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
@@ -32,7 +33,7 @@ PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
 PEAK = "h2d_peak_pinned_GBps"
 FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
-           "gpu_busy_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
+           "compute_stream_span_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
            "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}", PEAK: "{:.2f}"}
 BASELINE = "baseline"
@@ -220,6 +221,31 @@ def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def best_trial(runs: Sequence[Run]) -> Optional[Dict[str, object]]:
+    """The finished job with the best objective (`engine.objective`, better as `OBJECTIVES` says:
+    what a tuner optimised), and the settings that tell it from the other jobs; None when no job
+    finished with it."""
+    objective = next((r.data.params["engine.objective"] for r in runs if "engine.objective" in r.data.params),
+                     "throughput_samples_per_s")
+    done = [r for r in runs if r.info.status == "FINISHED" and math.isfinite(r.data.metrics.get(objective, math.nan))]
+    if not done:
+        return None
+    sign = 1.0 if OBJECTIVES.get(objective) == "maximize" else -1.0
+    best = max(done, key=lambda r: sign * r.data.metrics[objective])
+    # A setting counts when the jobs differ in it, a key a strategy lacks (loader.depth) included.
+    keys = sorted({k for r in runs for k in r.data.params if not k.startswith("tracking.")})
+    varying = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1 and k in best.data.params]
+    overrides = [f"{column(k)}={best.data.params[k]}" for k in sorted(varying, key=lambda k: (k != STRATEGY, k))]
+    return {"job": best.data.tags.get("sweep.job", str(list(runs).index(best))), "run_id": best.info.run_id, "objective": objective,
+            "value": best.data.metrics[objective], "overrides": overrides}
+
+
+def best_line(best: Dict[str, object]) -> str:
+    """`best: job 3 (run ...): throughput_samples_per_s=1234.5 with loader=prefetch loader.depth=2`."""
+    return (f"best: job {best['job']} (run {best['run_id']}): {best['objective']}={best['value']:.6g} with "
+            f"{' '.join(best['overrides']) or 'the same settings as the others'}")
+
+
 def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str, object]]]:
     """The comparison of one sweep (the parent run and its children)."""
     return comparison_rows(parent, children(client, parent))
@@ -299,6 +325,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     keys, rows = compare(client, parent)
     print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
     print(format_table(keys, rows) if rows else "(no child runs)")
+    best = best_trial(children(client, parent))
+    if best is not None:
+        print(best_line(best))
     warning = overlap_warning(rows)
     if warning:
         print(warning, file=sys.stderr)
