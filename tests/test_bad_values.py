@@ -17,7 +17,7 @@ import pytest
 from clirun import TINY, all_runs, error_line, run_cli
 from conftest import compose_config
 from datasets import build_dataset
-from fake_data import write_cifar10, write_mnist
+from trainer.fake_data import write_cifar10, write_mnist
 from trainer.errors import ConfigError, RunFailed
 from trainer.loop.faults import explain_faults
 from trainer.memory import host_available_bytes
