@@ -96,26 +96,28 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
     # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
-    with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
-        parts = build(cfg, job, device, ranks, tracker, on_timed_start)
-        journal = _journal(parts, tracker) if ranks.is_main else None
-        error = None
-        try:
-            with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
-                parts.loop.train(parts)
-        except BaseException as e:  # recorded first, raised after (it closes the run FAILED or KILLED)
-            error = e
-        finally:
-            stop.hold()  # from the end of the loop on, a signal waits until the records are written
-            if journal is not None:
-                journal.close()
-            _close(parts.loader, error)
-        summary, error = record(parts, tracker, ranks, error)
-        if journal is not None:  # the records are written: the journal was their fallback
+    journal = None
+    try:
+        with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
+            parts = build(cfg, job, device, ranks, tracker, on_timed_start)
+            journal = _journal(parts, tracker) if ranks.is_main else None
+            error = None
+            try:
+                with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
+                    parts.loop.train(parts)
+            except BaseException as e:  # recorded first, raised after (it closes the run FAILED or KILLED)
+                error = e
+            finally:
+                stop.hold()  # from the end of the loop on, a signal waits until the records are written
+                if journal is not None:
+                    journal.close()
+                _close(parts.loader, error)
+            summary, error = record(parts, tracker, ranks, error)
+            if error is not None:
+                raise error
+    finally:
+        if journal is not None:  # the run is closed with its records: the journal was their fallback
             journal.path.unlink(missing_ok=True)
-            tracker.client.delete_tag(tracker.run_id, "journal")
-        if error is not None:
-            raise error
     return summary
 
 
@@ -186,7 +188,7 @@ def _journal(parts: Parts, tracker) -> Optional[Journal]:
     uri = tracker.client.get_run(tracker.run_id).info.artifact_uri
     folder = Path(uri[len("file://"):] if uri.startswith("file://") else uri if "://" not in uri else parts.tmp)
     journal = Journal(folder / JOURNAL, parts.meter.journal_rows, every_s)
-    tracker.set_tags({"journal": str(journal.path)})
+    tracker.set_tags({"journal": str(journal.path)})  # where it was kept; the file goes once the run is closed
     return journal
 
 
