@@ -14,6 +14,7 @@ their options when imported (`trainer.components` imports all three).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -72,7 +73,10 @@ class Registry(dict):
         # A plain dict first: interpolations resolve against the whole config, and an untyped
         # section (read from a file) is checked against the Config's keys and types.
         values = OmegaConf.to_container(section, resolve=True)
-        return OmegaConf.to_object(OmegaConf.merge(self[section.name].Config, values))
+        kind = self[section.name].Config
+        if takes_kwargs(kind):
+            values = fold_kwargs(kind, values)
+        return OmegaConf.to_object(OmegaConf.merge(kind, values))
 
     def build(self, section, *args, **kwargs):
         """The component `section` names, made from its typed Config and `args`."""
@@ -85,6 +89,74 @@ def import_modules(package: str, path: Iterable[str]) -> None:
     itself, so a new option is one new file."""
     for module in pkgutil.iter_modules(path):
         importlib.import_module(f"{package}.{module.name}")
+
+
+# ----------------------------------------------------------------------------- _target_
+KWARGS = "kwargs"  # the Config field that holds a `_target_`'s keyword arguments
+
+
+def takes_kwargs(kind) -> bool:
+    """True for a Config with a `kwargs` field: keys its section adds (`+dataset.root=/data`) are
+    its `_target_`'s keyword arguments, not typos."""
+    return dataclasses.is_dataclass(kind) and KWARGS in {f.name for f in dataclasses.fields(kind)}
+
+
+def fold_kwargs(kind, values: dict) -> dict:
+    """`values` of a section whose Config `takes_kwargs`, with the keys the Config lacks moved into `kwargs`."""
+    known = {f.name for f in dataclasses.fields(kind)}
+    extra = {k: v for k, v in values.items() if k not in known}
+    return {**{k: v for k, v in values.items() if k in known}, KWARGS: {**(values.get(KWARGS) or {}), **extra}}
+
+
+def locate(key: str, path: str):
+    """The object the import path `path` names (`package.module.name`), its module imported from
+    `sys.path` (PYTHONPATH); one that cannot be found is a `ConfigError` naming `key`."""
+    parts = path.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise ConfigError(f"{key}={path!r} is not an import path: set {key}=<module>.<name> (e.g. my_data.make_dataset), "
+                          f"with the module's folder on PYTHONPATH")
+    for i in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module; the rest are its attributes
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (module == e.name or module.startswith(e.name + ".")):
+                continue  # this prefix is no module: try a shorter one
+            raise ConfigError(f"{key}={path}: importing {module} failed ({type(e).__name__}: {e}): install what it "
+                              f"imports, or fix that module") from e
+        except Exception as e:  # the user's module itself fails to import (a syntax error, an error at import time)
+            raise ConfigError(f"{key}={path}: importing {module} failed ({type(e).__name__}: {_first_line(e)}): "
+                              f"fix that module") from e
+        try:
+            for name in parts[i:]:
+                found = getattr(found, name)
+        except AttributeError:
+            raise ConfigError(f"{key}={path}: module {module} has no {'.'.join(parts[i:])}: fix the name after "
+                              f"{module}.") from None
+        return found
+    raise ConfigError(f"{key}={path}: no module {parts[0]} can be imported: put the folder that holds {parts[0]}.py "
+                      f"on PYTHONPATH (PYTHONPATH=/that/folder python -m trainer ...), or fix the path") from None
+
+
+def call_target(key: str, path: str, kwargs: dict):
+    """Call the callable `path` names with `kwargs` (Hydra's `_target_` convention); a failure
+    is one `ConfigError` line naming `key` (the user's traceback stays its cause: HYDRA_FULL_ERROR=1)."""
+    if not path:
+        raise ConfigError(f"{key} is not set: set {key}=<module>.<callable> (its module's folder on PYTHONPATH)")
+    target = locate(key, path)
+    if not callable(target):
+        raise ConfigError(f"{key}={path} is a {type(target).__name__}, not a callable: name a function or class "
+                          f"that makes it")
+    try:
+        return target(**kwargs)
+    except Exception as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no arguments"
+        raise ConfigError(f"{key}={path} raised {type(e).__name__} when called with {given}: {_first_line(e)}: "
+                          f"fix its keyword arguments (+{key.split('.')[0]}.<name>=<value>) or the callable") from e
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 # ----------------------------------------------------------------------------- run
