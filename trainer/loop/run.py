@@ -148,7 +148,10 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start:
     tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
     if degraded:
         print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-    model = ranks.wrap(build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
+    with ranks.agree():
+        model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
+        model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
+    model = ranks.wrap(model)  # DDP
     optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
     planned = planned_steps(cfg.engine, loader)
     warn_untimed(planned, cfg.engine.warmup_steps)
