@@ -40,6 +40,12 @@ CONF_DIR = _PACKAGED_CONF if INSTALLED else PROJECT_ROOT / "conf"
 BASE_DIR = Path.cwd() if INSTALLED else PROJECT_ROOT
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# GradScaler.step reads from the device whether a gradient overflowed (`.item()`) before it steps
+# the optimizer: a host-side branch that a captured CUDA graph cannot hold.
+FP16_GRAPH_REFUSED = ("engine.precision=fp16 cannot be used with engine.cuda_graph=true (the gradient scaler decides on "
+                      "the host, after a sync, whether to skip each step): set engine.precision=bf16 (no scaler), or "
+                      "engine.cuda_graph=false")
 LOOPS = ("feedbench", "lightning")
 MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
 
@@ -196,6 +202,7 @@ class EngineConfig:
     verify: bool = False  # checksum every batch on the device (tag data_checksum)
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around forward+loss (fp16 adds a gradient scaler)
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
     gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
@@ -211,6 +218,11 @@ class EngineConfig:
         at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
         if self.loop not in LOOPS:
             raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {self.loop!r}): set engine.loop=feedbench")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"engine.precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r}): "
+                              f"set engine.precision=fp32")
+        if self.precision == "fp16" and self.cuda_graph:
+            raise ConfigError(FP16_GRAPH_REFUSED)
         if self.loop == "lightning":
             self._check_lightning()
 

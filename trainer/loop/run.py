@@ -121,8 +121,8 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
 def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tuple]:
     """The open run: stop signals, the MLflow run (rank 0), the ranks' guard and one-line faults."""
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
-            "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
-            "cuda_version": str(torch.version.cuda),
+            "device": device.type, "loop": cfg.engine.loop, "precision": cfg.engine.precision,
+            "torch_version": torch.__version__, "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", "steady_heap": heap,
             **ranks.tags(), **owner_tags()}
     with StopSignals(announce=ranks.is_main) as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, \
