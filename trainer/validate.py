@@ -15,10 +15,10 @@ import os
 import sys
 import warnings
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import Config
+from trainer.config import KWARGS, Config, takes_kwargs
 from trainer.errors import ConfigError
 
 
@@ -46,6 +46,21 @@ def _check_interpolations(node, prefix: str) -> None:
             child = node._get_node(key)
             if OmegaConf.is_config(child):
                 _check_interpolations(child, f"{name}.")
+
+
+def _fold_kwargs(cfg: DictConfig) -> None:
+    """In each section whose Config takes keyword arguments for its `_target_` (`dataset=custom`),
+    move the keys it added (`+dataset.root=/data`) into its `kwargs`."""
+    for key in cfg:
+        node = cfg._get_node(key)
+        kind = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if not takes_kwargs(kind):
+            continue
+        known = {f.name for f in dataclasses.fields(kind)}
+        with open_dict(node):
+            for extra in [k for k in node if k not in known]:
+                node[KWARGS][extra] = node[extra]
+                del node[extra]
 
 
 def _check_keys(node: DictConfig, prefix: str) -> None:
@@ -81,6 +96,7 @@ def validate(cfg) -> Config:
     `dataset`, `loader` and `model` are their options' own Config); raise `ConfigError` for the
     first value that cannot run."""
     resolve(cfg)
+    _fold_kwargs(cfg)
     _check_keys(cfg, "")
     job = OmegaConf.to_object(cfg)  # runs every section's __post_init__ checks
     _check_sections(job)
@@ -90,8 +106,8 @@ def validate(cfg) -> Config:
 
 def _check_sections(job: Config) -> None:
     """Checks that need two sections."""
-    classes = getattr(job.dataset, "num_classes", 10)  # the vision datasets have 10
-    if classes < job.model.min_classes:
+    classes = getattr(job.dataset, "num_classes", 10)  # the vision datasets have 10; None: known once it is built
+    if classes is not None and classes < job.model.min_classes:
         raise ConfigError(f"model={job.model.name} needs labels of at least {job.model.min_classes} classes (got "
                           f"dataset.num_classes={classes}): set dataset.num_classes=10, or use model=autoencoder or model=noop")
 

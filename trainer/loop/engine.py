@@ -106,6 +106,6 @@ class FeedbenchLoop:
     Meter = StepMeter
 
     def train(self, parts) -> int:
-        parts.step = make_step(parts.model, parts.optimizer, parts.graphed)
+        parts.step = make_step(parts.model, parts.optimizer, parts.graphed, parts.cfg.engine.precision)
         return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler,
                      parts.window)

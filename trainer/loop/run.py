@@ -125,8 +125,8 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
 def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tuple]:
     """The open run: stop signals, the MLflow run (rank 0), the ranks' guard and one-line faults."""
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
-            "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
-            "cuda_version": str(torch.version.cuda),
+            "device": device.type, "loop": cfg.engine.loop, "precision": cfg.engine.precision,
+            "torch_version": torch.__version__, "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", "steady_heap": heap,
             **ranks.tags(), **owner_tags()}
     with StopSignals(announce=ranks.is_main) as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, \
@@ -152,7 +152,10 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start:
     tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
     if degraded:
         print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-    model = ranks.wrap(build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
+    with ranks.agree():
+        model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
+        model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
+    model = ranks.wrap(model)  # DDP
     optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
     planned = planned_steps(cfg.engine, loader)
     warn_untimed(planned, cfg.engine.warmup_steps)
