@@ -191,7 +191,6 @@ import sys, torch
 import trainer.components  # noqa: F401
 from hydra import compose, initialize_config_dir
 from trainer.config import CONF_DIR
-from conftest import TINY
 from datasets import build_dataset
 from trainer.loaders import build_loader
 
