@@ -78,6 +78,7 @@ def check_current_folder(args) -> None:
 
 def cli() -> None:
     """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) ending in one line."""
+    sys.argv = ["engine.quiet=true" if a in ("-q", "--quiet") else a for a in sys.argv]  # no end-of-run summary
     check_current_folder(sys.argv[1:])
     signal.signal(signal.SIGTERM, _terminate)
     distributed.launch()  # under torchrun: join the ranks before Hydra names the output folder

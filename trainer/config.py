@@ -123,6 +123,7 @@ class EngineConfig:
     warmup_steps: int = 5  # excluded from the summaries
     verify: bool = False  # checksum every batch on the device (tag data_checksum)
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
+    quiet: bool = False  # no summary on stderr when the run ends (`python -m trainer -q`)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
