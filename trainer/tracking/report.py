@@ -5,6 +5,11 @@ The comparison table built here is the one the sweep callback stores on the pare
 Each job's speedup is against the `baseline` job with the same other settings. Jobs whose timed
 regions ran at the same time on a device they share (a launcher that starts them all at once,
 as submitit_local does) are marked in the `overlap` column: their timings disturb each other.
+
+What the figures can be trusted for is said beside them: `ms_per_step_ci95` is the half-width
+of each job's 95% interval of ms per step (`trainer.loop.summary.step_interval`); a speedup
+whose interval includes 1 is marked `~` (not shown by these runs); the GPU's columns are blank
+for a job that ran on the CPU; a degraded job (a CUDA strategy that ran its CPU path) is marked.
 """
 
 from __future__ import annotations
@@ -24,19 +29,25 @@ from mlflow.tracking import MlflowClient
 from trainer.errors import ConfigError
 from trainer.tracking.store import default_uri
 
-METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "gpu_busy_fraction", "data_wait_fraction",
-           "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95", "gpu_busy_fraction",
+           "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
 # Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
 PEAK = "h2d_peak_pinned_GBps"
 FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
+           "ms_per_step_ci95": "±{:.3f}",
            "gpu_busy_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
            "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}", PEAK: "{:.2f}"}
 BASELINE = "baseline"
 STRATEGY = "loader.name"
+GPU_ONLY = ("gpu_busy_fraction", "h2d_GBps", PEAK)  # nothing to measure on the CPU: blank there
+WITHIN_NOISE = "~"  # after a speedup whose 95% interval includes 1
+LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval includes 1, so these runs do not show it",
+          "cpu": "blank gpu_busy_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
+          "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it"}
 
 
 # ----------------------------------------------------------------------------- reading MLflow
@@ -122,11 +133,15 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
     rows: List[Dict[str, object]] = []
     for i, r in enumerate(runs):
         done = r.info.status == "FINISHED"
-        row: Dict[str, object] = {"job": r.data.tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
+        tags = r.data.tags
+        row: Dict[str, object] = {"job": tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
         row.update({column(k): r.data.params.get(k, "") for k in keys})
         row["status"] = r.info.status
+        row["degraded"] = "yes" if tags.get("degraded") == "true" else ""
+        row["device"], row["model"] = tags.get("device", ""), r.data.params.get("model.name", tags.get("model", ""))
         for m in METRICS + PLAIN + (PEAK,):
-            row[m] = r.data.metrics.get(m) if done else None
+            row[m] = r.data.metrics.get(m) if done and not (m in GPU_ONLY and row["device"] == "cpu") else None
+        row["ms_per_step_ci95"] = half_width(r.data.metrics) if done else None
         row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
         row["run_id"] = r.info.run_id
         rows.append(row)
@@ -138,8 +153,26 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
             if (b.data.params.get(STRATEGY) == BASELINE and b_row["throughput_samples_per_s"]
                     and [b.data.params.get(k) for k in others] == setting):
                 row["speedup_vs_baseline"] = row["throughput_samples_per_s"] / b_row["throughput_samples_per_s"]
+                row["speedup_within_noise"] = None if b_row is row else within_noise(row, b_row)
                 break
     return [column(k) for k in keys], rows
+
+
+def half_width(metrics: Dict[str, float]) -> Optional[float]:
+    """Half the width of the run's 95% interval of ms per step (None when it has none)."""
+    low, high = metrics.get("ms_per_step_ci_low"), metrics.get("ms_per_step_ci_high")
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return None
+    return (high - low) / 2
+
+
+def within_noise(row: dict, baseline: dict) -> Optional[bool]:
+    """Whether the 95% interval of `row`'s speedup over `baseline` includes 1 (None: a job has no
+    interval). The two runs' relative half-widths add in quadrature, on the log of the speedup."""
+    spread = [(r["ms_per_step_ci95"], r["ms_per_step"]) for r in (row, baseline)]
+    if any(h is None or not ms for h, ms in spread):
+        return None
+    return abs(math.log(row["speedup_vs_baseline"])) <= math.hypot(*(h / ms for h, ms in spread))
 
 
 def overlapping(runs: Sequence[Run]) -> Dict[str, List[str]]:
@@ -175,32 +208,52 @@ def metric_columns(rows: Sequence[dict]) -> List[str]:
 
 
 def header(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
-    return ["job", *keys, "status", *metric_columns(rows), "overlap", "run_name", "run_id"]
+    return ["job", *keys, "status", "degraded", *metric_columns(rows), "speedup_within_noise", "overlap",
+            "run_name", "run_id"]
 
 
 def _cell(key: str, value, exact: bool) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
+    if isinstance(value, bool):
+        return str(value).lower()
     if isinstance(value, float):
         return repr(value) if exact else FORMATS.get(key, "{:.4g}").format(value)
     return str(value)
 
 
+def _shown_cell(key: str, row: dict) -> str:
+    """A printed cell: rounded, and a speedup within noise marked."""
+    text = _cell(key, row.get(key), exact=False)
+    return f"{text} {WITHIN_NOISE}" if key == "speedup_vs_baseline" and row.get("speedup_within_noise") else text
+
+
 def shown(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
-    """The printed columns: run name and id are in the CSV; `overlap` only when a job has one."""
-    return [c for c in header(keys, rows)[:-2] if c != "overlap" or any(r.get("overlap") for r in rows)]
+    """The printed columns: run name and id are in the CSV, the noise is a mark on the speedup;
+    `degraded` and `overlap` only when a job has one."""
+    optional = ("degraded", "overlap")
+    return [c for c in header(keys, rows)[:-2]
+            if c != "speedup_within_noise" and (c not in optional or any(r.get(c) for r in rows))]
+
+
+def legend(rows: Sequence[dict]) -> List[str]:
+    """One line per mark the table shows."""
+    marks = {"noise": any(r.get("speedup_within_noise") for r in rows),
+             "cpu": any(r.get("device") == "cpu" and r.get("status") == "FINISHED" for r in rows),
+             "degraded": any(r.get("degraded") for r in rows)}
+    return [LEGEND[k] for k, shown_ in marks.items() if shown_]
 
 
 def format_table(keys: Sequence[str], rows: Sequence[dict]) -> str:
-    """An aligned plain-text table: text left, numbers right."""
+    """An aligned plain-text table (text left, numbers right) and the legend of its marks."""
     cols = shown(keys, rows)
-    cells = [[_cell(c, row.get(c), exact=False) for c in cols] for row in rows]
+    cells = [[_shown_cell(c, row) for c in cols] for row in rows]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
     numeric = [c in FORMATS for c in cols]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(c) for c in cells])
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(c) for c in cells] + legend(rows))
 
 
 def to_csv(keys: Sequence[str], rows: Sequence[dict]) -> str:
@@ -218,8 +271,9 @@ def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
     cols = shown(keys, rows)
     lines = ["| " + " | ".join(cols) + " |",
              "|" + "|".join("---:" if c in FORMATS else "---" for c in cols) + "|"]
-    lines += ["| " + " | ".join(_cell(c, row.get(c), exact=False) for c in cols) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(_shown_cell(c, row) for c in cols) + " |" for row in rows]
+    notes = legend(rows)
+    return "\n".join(lines + ([""] + [f"{note}  " for note in notes] if notes else [])) + "\n"
 
 
 def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str, object]]]:
