@@ -109,7 +109,7 @@ def _sweep(uri: str, jobs) -> tuple:
     """A sweep in the store as the callback leaves it: a parent and one child per job
     `(loader, model, device, degraded, ms_per_step, ci half-width)`; returns (client, parent)."""
     client = MlflowClient(uri)
-    exp = client.create_experiment("feedbench")
+    exp = client.create_experiment("sweeps")  # logs no artifacts: MLflow's default artifact root is never used
     parent = client.create_run(exp, run_name="sweep", tags={"sweep": "true", "sweep.keys": "loader,model"})
     for i, (loader, model, device, degraded, ms, half) in enumerate(jobs):
         r = client.create_run(exp, run_name=f"job {i}", tags={
@@ -177,6 +177,24 @@ def test_the_plot_gives_each_model_its_own_throughput_axis_and_marks_degraded_jo
     assert [t.get_text() for t in throughput_axes[0].texts][1].startswith("×1.03~")
     gpu_bars = [bar.get_width() for bar in fig.axes[3].patches][2:]  # the CPU jobs' gpu_busy_fraction bars
     assert gpu_bars == [0.0, 0.0]
+
+
+def test_the_report_shows_the_latest_run_or_sweep_and_a_run_as_a_run(tiny_cfg, tracking_uri, capsys):
+    client, parent = _sweep(tracking_uri, JOBS[:2])
+    assert report.main(["--uri", tracking_uri]) == 0
+    assert capsys.readouterr().out.startswith(f"sweep 'sweep' ({parent.info.run_id}, ")  # the latest is the sweep
+    run(tiny_cfg("engine.quiet=true"))
+    (single,) = all_runs(tracking_uri)
+    rid = single.info.run_id
+    assert report.main(["--uri", tracking_uri]) == 0  # now the latest is the run
+    shown = capsys.readouterr().out
+    assert shown.splitlines()[0] == (f"run {rid} (FINISHED): loader=baseline dataset=synthetic model=autoencoder "
+                                     "on cpu, eager, feedbench loop")
+    assert " ms/step ±" in shown.splitlines()[1] and f"python -m trainer.report --run {rid}" in shown
+    assert report.main(["--uri", tracking_uri, "--run", rid]) == 0 and capsys.readouterr().out == shown
+    job = report.children(client, parent)[0].info.run_id  # a sweep's job still leads to its sweep
+    assert report.main(["--uri", tracking_uri, "--run", job]) == 0
+    assert capsys.readouterr().out.startswith(f"sweep 'sweep' ({parent.info.run_id}, ")
 
 
 # ----------------------------------------------------------------------------- the sweep and the profiler

@@ -256,7 +256,7 @@ def test_report_errors_name_the_fix_and_create_nothing(tmp_path, tracking_uri, c
     assert "run a sweep first" in capsys.readouterr().err and not missing.exists()
     MlflowClient(tracking_uri).create_experiment("feedbench")  # a store without a sweep
     assert report.main(["--uri", tracking_uri]) == 2
-    assert "no sweep" in capsys.readouterr().err
+    assert "no run or sweep" in capsys.readouterr().err
     assert report.main(["--uri", tracking_uri, "--sweep", "0123abcd"]) == 2
     assert "--sweep 0123abcd" in capsys.readouterr().err
 

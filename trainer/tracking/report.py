@@ -1,4 +1,5 @@
-"""`python -m trainer.report`: compare the jobs of a sweep, read back from MLflow.
+"""`python -m trainer.report`: the latest run or sweep, read back from MLflow: a run's summary, or a
+comparison of a sweep's jobs.
 
 The comparison table built here is the one the sweep callback stores on the parent run as
 `comparison.csv`; both read the child runs' logged metrics, so the numbers are the runs' own.
@@ -27,6 +28,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from trainer.errors import ConfigError
+from trainer.tracking.run_summary import describe
 from trainer.tracking.store import default_uri
 
 METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95", "gpu_busy_fraction",
@@ -62,8 +64,9 @@ def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
 
 
 def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None) -> Run:
-    """The sweep's parent run: `run_id` (a child's id leads to its parent), else the newest sweep
-    in `experiment` (default: in any experiment)."""
+    """The run to show: `run_id` (a sweep's job leads to its sweep's parent run), else the newest
+    run in `experiment` (default: in any experiment), a sweep's job leading to its sweep: the
+    latest run or sweep, whichever came last."""
     if run_id:
         try:
             run = client.get_run(run_id)
@@ -78,12 +81,13 @@ def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: 
         ids = [exp.experiment_id]
     else:
         ids = [e.experiment_id for e in client.search_experiments()]
-    found = client.search_runs(ids, filter_string="tags.sweep = 'true'",
-                               order_by=["attributes.start_time DESC"], max_results=1) if ids else []
+    found = client.search_runs(ids, order_by=["attributes.start_time DESC"], max_results=1) if ids else []
     if not found:
-        raise ConfigError(f"no sweep in {'experiment ' + repr(experiment) if experiment else 'this store'}: "
-                          "run one with `python -m trainer -m loader=baseline,pinned` or pass --sweep RUN_ID")
-    return found[0]
+        raise ConfigError(f"no run or sweep in {'experiment ' + repr(experiment) if experiment else 'this store'}: "
+                          "run one with `python -m trainer` (a sweep: `python -m trainer -m loader=baseline,pinned`) "
+                          "or pass --run RUN_ID")
+    parent = found[0].data.tags.get("mlflow.parentRunId")
+    return client.get_run(parent) if parent else found[0]
 
 
 def children(client: MlflowClient, parent: Run) -> List[Run]:
@@ -285,9 +289,9 @@ def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
     p.add_argument("--uri", help="MLflow tracking URI (default: the project's outputs/mlflow.db)")
-    p.add_argument("--experiment", help="look for the latest sweep in this experiment only")
+    p.add_argument("--experiment", help="look for the latest run or sweep in this experiment only")
     p.add_argument("--sweep", "--run", dest="sweep", metavar="RUN_ID",
-                   help="parent run id of the sweep, or one of its children (default: the latest sweep)")
+                   help="a run's id, a sweep's parent run id, or one of its jobs' (default: the latest run or sweep)")
     p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
     p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--plain", action="store_true",
@@ -300,6 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if parent.data.tags.get("sweep") != "true":  # a run of its own: shown as a run
+        print(describe(parent, uri))
+        return 0
     if args.plain:
         from trainer.tools.plain_loop import annotate  # runs the loaders: only loaded when asked for
         annotate(client, children(client, parent), log=lambda line: print(line, file=sys.stderr))
