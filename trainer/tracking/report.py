@@ -63,10 +63,11 @@ def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
     return MlflowClient(uri), uri
 
 
-def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None) -> Run:
+def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None,
+                sweeps_only: bool = True) -> Run:
     """The run to show: `run_id` (a sweep's job leads to its sweep's parent run), else the newest
-    run in `experiment` (default: in any experiment), a sweep's job leading to its sweep: the
-    latest run or sweep, whichever came last."""
+    sweep in `experiment` (default: in any experiment); with `sweeps_only=False`, the latest run
+    or sweep, whichever came last (a sweep's newest job leads to its sweep)."""
     if run_id:
         try:
             run = client.get_run(run_id)
@@ -81,11 +82,15 @@ def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: 
         ids = [exp.experiment_id]
     else:
         ids = [e.experiment_id for e in client.search_experiments()]
-    found = client.search_runs(ids, order_by=["attributes.start_time DESC"], max_results=1) if ids else []
+    found = client.search_runs(ids, filter_string="tags.sweep = 'true'" if sweeps_only else "",
+                               order_by=["attributes.start_time DESC"], max_results=1) if ids else []
     if not found:
-        raise ConfigError(f"no run or sweep in {'experiment ' + repr(experiment) if experiment else 'this store'}: "
-                          "run one with `python -m trainer` (a sweep: `python -m trainer -m loader=baseline,pinned`) "
-                          "or pass --run RUN_ID")
+        where = f"experiment {experiment!r}" if experiment else "this store"
+        if sweeps_only:
+            raise ConfigError(f"no sweep in {where}: run one with `python -m trainer -m loader=baseline,pinned` "
+                              "or pass --sweep RUN_ID")
+        raise ConfigError(f"no run or sweep in {where}: run one with `python -m trainer` (a sweep: "
+                          "`python -m trainer -m loader=baseline,pinned`) or pass --run RUN_ID")
     parent = found[0].data.tags.get("mlflow.parentRunId")
     return client.get_run(parent) if parent else found[0]
 
@@ -300,7 +305,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         client, uri = open_store(args.uri)
-        parent = find_parent(client, args.experiment, args.sweep)
+        parent = find_parent(client, args.experiment, args.sweep, sweeps_only=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
