@@ -49,6 +49,7 @@ GPU_ONLY = ("gpu_busy_fraction", "h2d_GBps", PEAK)  # nothing to measure on the 
 WITHIN_NOISE = "~"  # after a speedup whose 95% interval includes 1
 LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval includes 1, so these runs do not show it",
           "cpu": "blank gpu_busy_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
+          "all_cpu": "no gpu_busy_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
           "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it"}
 
 
@@ -239,16 +240,17 @@ def _shown_cell(key: str, row: dict) -> str:
 
 def shown(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
     """The printed columns: run name and id are in the CSV, the noise is a mark on the speedup;
-    `degraded` and `overlap` only when a job has one."""
-    optional = ("degraded", "overlap")
-    return [c for c in header(keys, rows)[:-2]
-            if c != "speedup_within_noise" and (c not in optional or any(r.get(c) for r in rows))]
+    `degraded`, `overlap` and the GPU's columns only when a job has one."""
+    return [c for c in header(keys, rows)[:-2] if c != "speedup_within_noise" and
+            (c not in ("degraded", "overlap", *GPU_ONLY) or any(r.get(c) not in (None, "") for r in rows))]
 
 
 def legend(rows: Sequence[dict]) -> List[str]:
     """One line per mark the table shows."""
+    on_cpu = any(r.get("device") == "cpu" and r.get("status") == "FINISHED" for r in rows)
+    gpu_columns = any(r.get(c) is not None for r in rows for c in GPU_ONLY)
     marks = {"noise": any(r.get("speedup_within_noise") for r in rows),
-             "cpu": any(r.get("device") == "cpu" and r.get("status") == "FINISHED" for r in rows),
+             "cpu": on_cpu and gpu_columns, "all_cpu": on_cpu and not gpu_columns,
              "degraded": any(r.get("degraded") for r in rows)}
     return [LEGEND[k] for k, shown_ in marks.items() if shown_]
 
