@@ -1,8 +1,8 @@
-"""How far feedbench's steps are from the same step written by hand, on seed 000's workload (CUDA only).
+"""How far feedbench's steps are from the same step written by hand, on the reference workload (CUDA only).
 
     python benchmarks/graph_floor.py [--steps 200] [--blocks 15] [--warmup 50]
 
-Seed 000's workload (synthetic 1000x256x256 float32, autoencoder hidden 64, Adam, batch 64) fed
+The reference workload (synthetic 1000x256x256 float32, autoencoder hidden 64, Adam, batch 64) fed
 by `gpu_resident` with `drop_last`, built with the project's own builders, runs through each of
 these steps, each with a model and an optimizer of its own:
 
@@ -41,7 +41,7 @@ from trainer.tools.overhead import compose_config
 from trainer.tools.plain_loop import capture_by_hand
 from trainer.validate import resolve
 
-WORKLOAD = ["experiment=bench_seed0", "loader=gpu_resident", "loader.drop_last=true", "engine.device=cuda"]
+WORKLOAD = ["experiment=bench_strategies", "loader=gpu_resident", "loader.drop_last=true", "engine.device=cuda"]
 
 
 class GraphedStepBefore:

@@ -3,8 +3,8 @@
     python benchmarks/lightning_prefetch.py [--steps 300] [--warmup 30] [--busy-ms 2]
 
 One process, one GPU, a step where a copy can hide: 16 MiB batches (64 x 256 x 256 float32, the
-size seed 001 quotes) already in pinned memory, so the host's work per batch is small, and seed
-000's autoencoder with `model.busy_ms` of device work per step, so the GPU's step outlasts the
+size PyTorch Lightning issue #1316 quotes) already in pinned memory, so the host's work per batch
+is small, and the reference autoencoder with `model.busy_ms` of device work per step, so the GPU's step outlasts the
 host's. Two ways to feed the same LightningModule from the same pin_memory DataLoader:
 
 - `lightning_default`: `trainer.fit(module, train_dataloaders=loader)`; Lightning copies each
@@ -68,7 +68,7 @@ class PinnedBatches(Dataset):
 
 
 class Autoencoder(L.LightningModule):
-    """The module a user writes around seed 000's autoencoder (built by the project's `build_model`)."""
+    """The module a user writes around the reference autoencoder (built by the project's `build_model`)."""
 
     def __init__(self, model_cfg):
         super().__init__()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What the engine adds, on seed 000's workload, for every strategy, eager and CUDA-graphed:
+# What the engine adds, on the reference workload, for every strategy, eager and CUDA-graphed:
 # `python -m trainer` against two references over the same loader (`trainer.overhead --reference both`):
 #   plain  a plain loop running the engine's own step (`trainer.tools.plain_loop`);
 #   hand   the loop a user writes: zero_grad, loss, backward, step, and under a CUDA graph a graph
@@ -22,16 +22,16 @@ else
   out=outputs/overhead
   steps_dataloader=2500 steps_eager=8000 steps_gather=6000 gather_repeats=2 pair_repeats=2
 fi
-seed0=(experiment=bench_seed0 engine.device=cuda)
+workload=(experiment=bench_strategies engine.device=cuda)
 both=(--reference both)
 python -m trainer.overhead "${both[@]}" --method turns --repeats 1 --graph both --loaders baseline,pinned,prefetch \
-  --markdown "${out}_dataloader.md" "$@" "${seed0[@]}" engine.max_steps=$steps_dataloader
+  --markdown "${out}_dataloader.md" "$@" "${workload[@]}" engine.max_steps=$steps_dataloader
 python -m trainer.overhead "${both[@]}" --method turns --repeats 1 --graph eager --loaders pinned_chunk,gpu_resident,pinned_gather \
-  --markdown "${out}_eager.md" "$@" "${seed0[@]}" engine.max_steps=$steps_eager
+  --markdown "${out}_eager.md" "$@" "${workload[@]}" engine.max_steps=$steps_eager
 python -m trainer.overhead "${both[@]}" --method turns --repeats $gather_repeats --graph graphed --loaders pinned_gather \
-  --markdown "${out}_gather.md" "$@" "${seed0[@]}" engine.max_steps=$steps_gather
+  --markdown "${out}_gather.md" "$@" "${workload[@]}" engine.max_steps=$steps_gather
 python -m trainer.overhead "${both[@]}" --method pairs --repeats $pair_repeats --graph graphed --loaders pinned_chunk,gpu_resident \
-  --markdown "${out}_graphed.md" "$@" "${seed0[@]}" engine.max_steps=1050
+  --markdown "${out}_graphed.md" "$@" "${workload[@]}" engine.max_steps=1050
 { cat "${out}_dataloader.md"; tail -n +3 "${out}_eager.md"; tail -n +3 "${out}_gather.md"
   tail -n +3 "${out}_graphed.md"; } > "$out.md"
 cat "$out.md"

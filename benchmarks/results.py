@@ -1,4 +1,4 @@
-"""Tables of docs/results.md, read from the latest sweep of each seed preset in MLflow.
+"""Tables of docs/results.md, read from the latest sweep of each of its presets in MLflow.
 
     python benchmarks/results.py [--uri URI] [--update docs/results.md] [--images docs/results]
 
@@ -36,13 +36,14 @@ from trainer.errors import ConfigError
 
 os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per downloaded picture otherwise
 
-PRESETS = ("limits", "seed000_copy", "seed000_loaders", "seed002", "seed003", "seed004", "seed000_lightning", "seed001")
-# What the seeds published (seconds), quoted in docs/results.md.
-SEED000_LOADERS = {"copy_in_loader": 8.48, "pin_batches": 8.63, "no_pinning": 8.71, "pin_chunk": 9.64}
-SEED002 = {("question", "pageable"): 6.5701503753662, ("question", "pinned_blocking"): 7.0254474401474,
-           ("answer", "pageable"): 5.72, ("answer", "pinned_async"): 5.48}
-SEED003 = {("baseline", "0"): 42.71 / 5, ("pinned", "8"): 19.92 / 5}  # loader1, loader2 (cpu_count()//2 workers); 5 epochs each
-SEED000_LIGHTNING_S = 31.6  # trainer.fit: 30 epochs of 8 batches of 64 (240 steps)
+PRESETS = ("limits", "copy_4gb", "iterable_chunk_loaders", "pin_memory_cifar", "mnist_mlp", "dataloader_grid", "lightning_vs_loop",
+           "gpu_prefetch")
+# What the public sources published (seconds), quoted in docs/results.md.
+NOTEBOOK_LOADERS = {"copy_in_loader": 8.48, "pin_batches": 8.63, "no_pinning": 8.71, "pin_chunk": 9.64}
+STACK_OVERFLOW = {("question", "pageable"): 6.5701503753662, ("question", "pinned_blocking"): 7.0254474401474,
+                  ("answer", "pageable"): 5.72, ("answer", "pinned_async"): 5.48}
+MNIST_NOTEBOOK = {("baseline", "0"): 42.71 / 5, ("pinned", "8"): 19.92 / 5}  # its two loaders (cpu_count()//2 workers); 5 epochs each
+NOTEBOOK_LIGHTNING_S = 31.6  # trainer.fit: 30 epochs of 8 batches of 64 (240 steps)
 
 
 # ----------------------------------------------------------------------------- reading runs
@@ -185,7 +186,7 @@ def copy_table(sweep: Sweep) -> str:
         step, plain = ms(run, "ms_per_step"), ms(run, "plain_ms_per_step")
         rows.append([f"`{name}`: step in the loop (s), engine / plain loop", "",
                      f"{cell(step, '{:.3f}')} / {cell(plain, '{:.3f}')}" if plain is not None else cell(step, "{:.3f}"), ""])
-    return table(["4 GB (1000×1000×1000 float32)", "seed 000", "ours, in the loop", "ours, alone"], rows)
+    return table(["4 GB (1000×1000×1000 float32)", "the notebook", "ours, in the loop", "ours, alone"], rows)
 
 
 def loaders_table(sweep: Sweep) -> str:
@@ -195,15 +196,15 @@ def loaders_table(sweep: Sweep) -> str:
     for variant, label in (("copy_in_loader", "numpy→CUDA inside the DataLoader"), ("pin_batches", "pinning batch by batch"),
                            ("no_pinning", "no pinning"), ("pin_chunk", "big chunk pinned, contiguous slices")):
         ae, noop = (sweep.find(loader__variant=variant, model__name=model) for model in ("autoencoder", "noop"))
-        seed = SEED000_LOADERS[variant]
-        rows.append([f"{label} (`{variant}`)", f"{seed:.2f}", f"{SEED000_LOADERS['no_pinning'] / seed:.2f}",
+        published = NOTEBOOK_LOADERS[variant]
+        rows.append([f"{label} (`{variant}`)", f"{published:.2f}", f"{NOTEBOOK_LOADERS['no_pinning'] / published:.2f}",
                      cell(m(ae, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(ae), "{:,.0f}"),
                      cell(ratio(m(ae, "throughput_samples_per_s"), ref["autoencoder"])),
-                     cell(m(ae, "data_wait_fraction")), cell(m(ae, "gpu_busy_fraction")),
+                     cell(m(ae, "data_wait_fraction")), cell(m(ae, "compute_stream_span_fraction")),
                      cell(m(noop, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(noop), "{:,.0f}"),
                      cell(ratio(m(noop, "throughput_samples_per_s"), ref["noop"]))])
-    return table(["variant", "seed 000 (s)", "seed: speed vs no pinning", "autoencoder samples/s", "plain loop samples/s",
-                  "vs no pinning", "data wait", "GPU busy", "do-nothing model samples/s", "plain loop samples/s",
+    return table(["variant", "the notebook (s)", "the notebook: speed vs no pinning", "autoencoder samples/s", "plain loop samples/s",
+                  "vs no pinning", "data wait", "stream span", "do-nothing model samples/s", "plain loop samples/s",
                   "vs no pinning"], rows)
 
 
@@ -216,7 +217,7 @@ def _case(run: Run) -> str:
 CASES = {"pageable": "pin_memory off", "pinned_blocking": "pin_memory on, blocking copy", "pinned_async": "pin_memory on, non_blocking"}
 
 
-def seed002_table(sweep: Sweep) -> str:
+def pin_memory_cifar_table(sweep: Sweep) -> str:
     rows = []
     for setting, batch in (("question", "64"), ("answer", "1024")):
         runs = {_case(r): r for r in sweep.runs if r.data.params.get("loader.batch_size") == batch}
@@ -224,29 +225,29 @@ def seed002_table(sweep: Sweep) -> str:
         for case in CASES:
             r = runs.get(case)
             epoch = ratio(m(r, "total_samples"), m(r, "throughput_samples_per_s"))
-            seed = SEED002.get((setting, case))
-            rows.append([setting, CASES[case], cell(seed, "{:.2f}"), cell(epoch), cell(plain_time(epoch, r)),
+            published = STACK_OVERFLOW.get((setting, case))
+            rows.append([setting, CASES[case], cell(published, "{:.2f}"), cell(epoch), cell(plain_time(epoch, r)),
                          cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
                          cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "data_wait_fraction")), cell(m(r, "h2d_GBps"))])
-    return table(["setting", "pin_memory / copy", "seed 002 (s per epoch)", "ours (s per epoch)", "plain loop (s per epoch)", "samples/s",
+    return table(["setting", "pin_memory / copy", "Stack Overflow (s per epoch)", "ours (s per epoch)", "plain loop (s per epoch)", "samples/s",
                   "vs pin_memory off", "data wait", "copy GB/s"], rows, numeric_from=2)
 
 
-def seed003_table(sweep: Sweep) -> str:
+def mnist_mlp_table(sweep: Sweep) -> str:
     rows = []
     ref = m(sweep.find(loader__name="baseline", loader__num_workers="0"), "throughput_samples_per_s")
     for r in sweep.runs:
         name, workers = r.data.params["loader.name"], r.data.params["loader.num_workers"]
-        seed = SEED003.get((name, workers))
-        label = {("baseline", "0"): " (seed's loader1)", ("pinned", "8"): " (seed's loader2)"}.get((name, workers), "")
-        rows.append([f"`{name}`{label}", workers, cell(seed), cell(m(r, "timed_wall_s")), cell(plain_time(m(r, "timed_wall_s"), r)),
+        published = MNIST_NOTEBOOK.get((name, workers))
+        label = {("baseline", "0"): " (the notebook's first loader)", ("pinned", "8"): " (its second)"}.get((name, workers), "")
+        rows.append([f"`{name}`{label}", workers, cell(published), cell(m(r, "timed_wall_s")), cell(plain_time(m(r, "timed_wall_s"), r)),
                      cell(m(r, "throughput_samples_per_s"), "{:,.0f}"), cell(ratio(m(r, "throughput_samples_per_s"), ref)),
-                     cell(m(r, "data_wait_fraction")), cell(m(r, "gpu_busy_fraction"))])
-    return table(["loader", "workers", "seed 003 (s per epoch)", "ours: epoch 2 (s)", "plain loop: epoch 2 (s)", "samples/s", "vs loader1",
-                  "data wait", "GPU busy"], rows, numeric_from=2)
+                     cell(m(r, "data_wait_fraction")), cell(m(r, "compute_stream_span_fraction"))])
+    return table(["loader", "workers", "the notebook (s per epoch)", "ours: epoch 2 (s)", "plain loop: epoch 2 (s)", "samples/s", "vs the first loader",
+                  "data wait", "stream span"], rows, numeric_from=2)
 
 
-def seed004_table(sweep: Sweep) -> str:
+def dataloader_grid_table(sweep: Sweep) -> str:
     rows = []
     ref = m(next((r for r in sweep.runs if _case(r) == "pageable" and r.data.params["loader.num_workers"] == "0"), None),
             "throughput_samples_per_s")
@@ -256,13 +257,13 @@ def seed004_table(sweep: Sweep) -> str:
         prefetch = r.data.params["loader.prefetch_factor"] + (" (unused)" if workers == "0" else "")
         rows.append([CASES[_case(r)], workers, prefetch, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"), cell(plain_rate(r), "{:,.0f}"),
                      cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "data_wait_fraction")),
-                     cell(m(r, "gpu_busy_fraction")), cell(m(r, "h2d_GBps"))])
+                     cell(m(r, "compute_stream_span_fraction")), cell(m(r, "h2d_GBps"))])
     return table(["pin_memory / copy", "workers", "prefetch_factor", "samples/s", "plain loop samples/s", "vs pageable, 0 workers",
-                  "data wait", "GPU busy", "copy GB/s"], rows, numeric_from=3)
+                  "data wait", "stream span", "copy GB/s"], rows, numeric_from=3)
 
 
 LIGHTNING_STRATEGIES = {
-    "seed_iterable": "the seed's own loader (`seed_iterable`): Lightning copies",
+    "iterable_chunks": "the notebook's own loader (`iterable_chunks`): Lightning copies",
     "pinned": "pin_memory DataLoader (`pinned`): Lightning copies",
     "prefetch": "`prefetch`: on the GPU already",
     "pinned_chunk": "`pinned_chunk`: on the GPU already",
@@ -274,11 +275,11 @@ def pct(value: Optional[float]) -> str:
     return cell(100 * value, "{:+.1f} %") if value is not None else ""
 
 
-def seed000_lightning_table(sweep: Sweep) -> str:
-    ref = m(sweep.find(engine__loop="lightning", loader__name="seed_iterable"), "throughput_samples_per_s")
-    seed_rate = 240 * 64 / SEED000_LIGHTNING_S
-    rows = [["seed 000's run (Lightning 1.0.5, its GPU): the whole `trainer.fit`", cell(seed_rate, "{:,.0f}"),
-             cell(SEED000_LIGHTNING_S, "{:.1f}"), "", "", "", "", "", "", ""]]
+def lightning_vs_loop_table(sweep: Sweep) -> str:
+    ref = m(sweep.find(engine__loop="lightning", loader__name="iterable_chunks"), "throughput_samples_per_s")
+    published_rate = 240 * 64 / NOTEBOOK_LIGHTNING_S
+    rows = [["the notebook's run (Lightning 1.0.5, its GPU): the whole `trainer.fit`", cell(published_rate, "{:,.0f}"),
+             cell(NOTEBOOK_LIGHTNING_S, "{:.1f}"), "", "", "", "", "", "", ""]]
     for strategy, label in LIGHTNING_STRATEGIES.items():
         theirs = sweep.find(engine__loop="lightning", loader__name=strategy)
         ours = sweep.find(engine__loop="feedbench", loader__name=strategy)
@@ -288,12 +289,12 @@ def seed000_lightning_table(sweep: Sweep) -> str:
                      cell(m(theirs, "median_lightning_ms"), "{:.3f}"), cell(m(ours, "throughput_samples_per_s"), "{:,.0f}"),
                      cell(plain_rate(ours) or plain_rate(theirs), "{:,.0f}"),  # one config, whichever loop ran it
                      pct(diff(ratio(m(ours, "throughput_samples_per_s"), rate), 1.0))])
-    return table(["batches from", "in Lightning: samples/s", "240 steps (s)", "vs the seed's loader in Lightning",
+    return table(["batches from", "in Lightning: samples/s", "240 steps (s)", "vs the notebook's loader in Lightning",
                   "data wait", "Lightning's share", "Lightning ms/step", "in our loop: samples/s",
                   "plain loop samples/s", "Lightning loop's cost (our loop faster by)"], rows)
 
 
-def seed001_table(sweep: Sweep) -> str:
+def gpu_prefetch_table(sweep: Sweep) -> str:
     rows = []
     cases = (("lightning", "pinned", "Lightning's default loop (`pinned`)"),
              ("lightning", "prefetch", "Lightning + our side-stream prefetch"),
@@ -304,15 +305,16 @@ def seed001_table(sweep: Sweep) -> str:
             r = sweep.find(engine__loop=loop, loader__name=loader, model__busy_ms=busy)
             rows.append([f"autoencoder{' + 2 ms' if busy == '2.0' else ''}", label, cell(m(r, "throughput_samples_per_s"), "{:,.0f}"),
                          cell(plain_rate(r), "{:,.0f}"), cell(ratio(m(r, "throughput_samples_per_s"), ref)), cell(m(r, "median_step_ms"), "{:.3f}"),
-                         cell(m(r, "median_h2d_ms"), "{:.3f}"), cell(m(r, "h2d_GBps")), cell(m(r, "hidden_h2d_fraction")),
+                         cell(m(r, "median_h2d_ms"), "{:.3f}"), cell(m(r, "h2d_GBps")), cell(m(r, "h2d_beside_step_fraction")),
                          cell(m(r, "trace_h2d_overlap_fraction")), cell(m(r, "lightning_fraction"), "{:.3f}")])
     return table(["model", "loop", "samples/s", "plain loop samples/s", "vs Lightning's default", "step (ms)", "copy (ms)", "copy GB/s",
-                  "copy hidden (events)", "copy during kernels (trace)", "Lightning's share"], rows, numeric_from=2)
+                  "copy beside step (events)", "copy during kernels (trace)", "Lightning's share"], rows, numeric_from=2)
 
 
-TABLES: Dict[str, Callable[[Sweep], str]] = {"limits": limits_table, "seed000_copy": copy_table, "seed000_loaders": loaders_table,
-                                             "seed002": seed002_table, "seed003": seed003_table, "seed004": seed004_table,
-                                             "seed000_lightning": seed000_lightning_table, "seed001": seed001_table}
+TABLES: Dict[str, Callable[[Sweep], str]] = {"limits": limits_table, "copy_4gb": copy_table, "iterable_chunk_loaders": loaders_table,
+                                             "pin_memory_cifar": pin_memory_cifar_table, "mnist_mlp": mnist_mlp_table,
+                                             "dataloader_grid": dataloader_grid_table, "lightning_vs_loop": lightning_vs_loop_table,
+                                             "gpu_prefetch": gpu_prefetch_table}
 
 
 # ----------------------------------------------------------------------------- pictures and the page

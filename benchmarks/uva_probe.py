@@ -10,7 +10,7 @@ prints its error and the probe goes on.
 (b) the gather alone, 64 shuffled rows of 256 KiB from page-locked memory, on 1 to 132 blocks
     (and a few block sizes), against one contiguous pinned copy of the same bytes and against
     one `cudaMemcpyAsync` per row;
-(c) short runs through `trainer.loop.run.run`: seed 000's workload (`experiment=bench_seed0`,
+(c) short runs through `trainer.loop.run.run`: the reference workload (`experiment=bench_strategies`,
     autoencoder) and only the feed (`experiment=bench_bandwidth`, the same data with model=noop),
     pinned_uva against gpu_resident and pinned_chunk, eager and graphed, then the issue's ratios.
 """
@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-ROW_SHAPE = (256, 256)  # float32: 256 KiB per row, seed 000's sample
+ROW_SHAPE = (256, 256)  # float32: 256 KiB per row, the reference workload's sample
 ROWS = 64  # one batch
 
 
@@ -94,7 +94,7 @@ def part_a() -> None:
 def part_b() -> None:
     from trainer.loaders.uva_gather import BLOCK_BYTES, RowGather
 
-    n = 1000  # seed 000's dataset: 256 MB pinned
+    n = 1000  # the reference dataset: 256 MB pinned
     nbytes = ROWS * 256 * 1024
     x = pinned_rows(n, ROW_SHAPE, torch.float32)
     y = torch.randint(0, 10, (n,)).cuda()
@@ -162,10 +162,10 @@ def part_c(steps: int, warmup: int) -> None:
 
     uri = f"sqlite:///{tempfile.mkdtemp(prefix='uva_probe-')}/mlflow.db"
     keys = ("ms_per_step", "host_cpu_ms_per_step", "median_compute_ms", "median_h2d_ms", "h2d_GBps",
-            "h2d_peak_pinned_GBps", "hidden_h2d_fraction", "data_wait_fraction", "setup_s", "peak_gpu_mem_mb",
+            "h2d_peak_pinned_GBps", "h2d_beside_step_fraction", "data_wait_fraction", "setup_s", "peak_gpu_mem_mb",
             "pinned_host_mb")
     jobs = []
-    for experiment, model in (("bench_seed0", "autoencoder"), ("bench_bandwidth", "noop")):
+    for experiment, model in (("bench_strategies", "autoencoder"), ("bench_bandwidth", "noop")):
         for graphed in ("false", "true"):
             for loader in ("pinned_uva", "gpu_resident", "pinned_chunk"):
                 jobs.append((experiment, model, graphed, loader, []))

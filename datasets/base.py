@@ -74,6 +74,18 @@ class FeedDataset:
         """Bytes of the whole dataset in its storage dtype (what a resident copy needs)."""
         return len(self) * self.sample_bytes
 
+    @property
+    def per_sample_bytes(self) -> int:
+        """Host memory `per_sample()` allocates for its samples: the whole dataset here (the
+        synthetic data is materialised); none for a dataset that reads each sample when asked."""
+        return self.nbytes
+
+    def example(self, device: torch.device) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """One model input as a batch of one on `device`, and its label (None: the samples have
+        none): what a model is checked on before the run."""
+        x = torch.zeros((1, *self.sample_shape), dtype=self.storage_dtype, device=device)
+        return self.on_device(x), torch.zeros(1, dtype=torch.int64, device=device)
+
 
 def to_unit_float(x: torch.Tensor) -> torch.Tensor:
     """uint8 -> float32 in [0, 1], bit-identical on CPU and GPU. `x.float().div(255)` is not: CUDA

@@ -1,4 +1,4 @@
-"""Seed 000's synthetic data: a big random chunk 'loaded from disk', batches drawn from it."""
+"""Synthetic data: a big random chunk 'loaded from disk', batches drawn from it."""
 
 from __future__ import annotations
 
@@ -27,11 +27,11 @@ class SyntheticDataset(FeedDataset):
 
     @dataclass
     class Config(DatasetConfig):
-        """Seed 000's random 'big chunk': `num_samples` samples, 'loaded from disk' one chunk at a time.
+        """Random samples generated from a seed, 'loaded from disk' one chunk at a time.
 
         The chunking is set by `chunks` or by `chunk_samples`, not both: `chunk_samples=0` splits
         `num_samples` into `chunks` loads; `chunk_samples=N` loads N samples at a time (and `chunks`
-        follows: leave it at 1). Seed 000 is `num_samples=2000 chunk_samples=1000 batches_per_chunk=4`.
+        follows: leave it at 1). The presets of docs/results.md use `num_samples=2000 chunk_samples=1000 batches_per_chunk=4`.
         """
 
         name: str = "synthetic"
@@ -126,7 +126,7 @@ class SyntheticDataset(FeedDataset):
         return _SyntheticSamples(self)
 
     def iterable(self, batch_size: int) -> "SeedIterable":
-        """Seed 000's IterableDataset semantics (batches of random rows from each loaded chunk)."""
+        """The iterable_chunks loader's IterableDataset (batches of random rows from each loaded chunk)."""
         return SeedIterable(self, batch_size)
 
 

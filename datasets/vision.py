@@ -85,9 +85,10 @@ class _Vision(FeedDataset):
         x = x.unsqueeze(1) if x.ndim == 3 else x.permute(0, 3, 1, 2)  # N x C x H x W
         self.x = x[:n].contiguous()
         self.y = y[:n].long()
+        self.num_classes = 10
+        self._check_labels()
         self.sample_shape = tuple(self.x.shape[1:])
         self.storage_dtype = torch.uint8
-        self.num_classes = 10
         self.chunk_samples = n  # the whole split is one chunk
         transforms = _torchvision().transforms
         self.tv.transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize(self.mean, self.std)])
@@ -161,6 +162,11 @@ class _Vision(FeedDataset):
             return (f"dataset={name}: {found + '; ' if found else ''}downloading {self.title} into {where} failed "
                     f"({_last_line(error)}): rerun with internet access, or copy {', '.join(self.expected_files())} "
                     f"there and set dataset.download=false{self.md5_hint(damaged)}")
+        if missing and not damaged and self.cfg.download:
+            # CIFAR-10: torchvision downloads only when a data batch is missing or damaged.
+            return (f"dataset={name}: {self.title} in {where}: missing {', '.join(missing)}, which dataset.download=true "
+                    f"did not fetch (torchvision downloads only when the data files are missing or damaged): copy "
+                    f"those files there, or delete {self.folder} and rerun to download all of {self.title} again")
         if missing and not damaged:
             return (f"dataset={name}: {self.title} not found in {where}: missing {', '.join(missing)}: "
                     f"set dataset.download=true (needs internet), or copy those files there")
@@ -173,6 +179,22 @@ class _Vision(FeedDataset):
     def md5_hint(self, damaged: List[str]) -> str:
         """The extra fix for files that only fail a checksum (none by default)."""
         return ""
+
+    def _check_labels(self) -> None:
+        """A label outside the 10 classes would fail at the first step (an IndexError on the CPU, a
+        device-side assert on a GPU): name the file that holds it now."""
+        bad = ((self.y < 0) | (self.y >= self.num_classes)).nonzero()
+        if len(bad):
+            i = int(bad[0])
+            path, j = self.labels_file(i)
+            raise ConfigError(f"dataset={self.cfg.name}: {path} gives sample {j} the label {int(self.y[i])}, not one "
+                              f"of {self.title}'s {self.num_classes} classes (0 to {self.num_classes - 1}): the file is "
+                              f"damaged or not {self.title}'s; delete it and rerun with dataset.download=true, or copy "
+                              f"the intact file there")
+
+    def labels_file(self, i: int) -> Tuple[Path, int]:
+        """The file holding the label of sample `i` of the split, and the sample's place in it."""
+        raise NotImplementedError
 
 
 @DATASETS.register
@@ -198,6 +220,9 @@ class Mnist(_Vision):
 
     def expected_files(self) -> List[str]:
         return [gz[: -len(".gz")] for gz, _ in self.tv_class.resources]
+
+    def labels_file(self, i: int) -> Tuple[Path, int]:
+        return self.folder / f"{'train' if self.cfg.train else 't10k'}-labels-idx1-ubyte", i
 
     def problems(self):
         missing, damaged = [], []
@@ -250,6 +275,17 @@ class Cifar10(_Vision):
 
     def expected_files(self) -> List[str]:
         return [name for name, _ in self._official()]
+
+    def labels_file(self, i: int) -> Tuple[Path, int]:
+        # torchvision reads the split's batches in this order, one after another.
+        batches = self.tv_class.train_list if self.cfg.train else self.tv_class.test_list
+        for name, _ in batches:
+            with open(self.folder / name, "rb") as f:
+                n = len(pickle.load(f, encoding="latin1")["labels"])
+            if i < n:
+                return self.folder / name, i
+            i -= n
+        raise AssertionError("the label's sample is not in the split's files")
 
     def _torchvision(self, download: bool):
         cls = self.tv_class if self.cfg.verify_md5 else _unchecked_cifar10()

@@ -1,4 +1,4 @@
-"""Seed 000's autoencoder."""
+"""The reference autoencoder (hidden 64, bottleneck 3 by default)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from trainer.errors import at_least
 
 @MODELS.register
 class Autoencoder(FeedModel):
-    """Seed 000's autoencoder: flatten -> hidden -> bottleneck -> hidden -> reconstruction (MSE)."""
+    """The reference autoencoder: flatten -> hidden -> bottleneck -> hidden -> reconstruction (MSE)."""
 
     @dataclass
     class Config(ModelConfig):
-        """Seed 000's autoencoder: input -> hidden -> bottleneck -> hidden -> input; input size follows the dataset."""
+        """Autoencoder: input -> hidden -> bottleneck -> hidden -> input; input size follows the dataset."""
 
         name: str = "autoencoder"
         hidden: int = 64

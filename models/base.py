@@ -4,7 +4,7 @@ them, and the registry each model file adds itself to."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 from omegaconf import MISSING
@@ -44,3 +44,8 @@ class FeedModel(nn.Module):
 
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def check(self, x: torch.Tensor, y: Optional[torch.Tensor]) -> None:
+        """Before the run: raise a one-line `ConfigError` when one batch `(x, y)` of the dataset (`y`
+        None: its samples have no label) cannot go through `loss`. feedbench's own models are sized
+        by the dataset and always fit; a module of the user's may not (`models.custom`)."""

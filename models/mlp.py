@@ -1,4 +1,4 @@
-"""Seed 003's classifier."""
+"""A small MLP classifier (the mnist_mlp preset's 784-512-10)."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from trainer.errors import at_least
 
 @MODELS.register
 class Mlp(FeedModel):
-    """Seed 003's classifier: flatten -> hidden -> classes (cross-entropy)."""
+    """A small classifier: flatten -> hidden -> classes (cross-entropy)."""
 
     @dataclass
     class Config(ModelConfig):
-        """Seed 003's classifier: flatten -> hidden -> classes; input size and classes follow the dataset."""
+        """MLP classifier: flatten -> hidden -> classes; input size and classes follow the dataset."""
 
         min_classes: ClassVar[int] = 2
         name: str = "mlp"

@@ -60,7 +60,7 @@ def test_a_section_of_a_composed_config_builds_the_same_typed_config():
     (["loader=prefetch", "loader.depth=0"], "loader.depth must be >= 1 (got 0): set loader.depth=1"),
     (["loader=pinned_chunk", "loader.depth=-1"], "loader.depth must be >= 1 (got -1): set loader.depth=1"),
     (["loader=pinned_gather", "loader.threads=0"], "loader.threads must be >= 1 (got 0): set loader.threads=4"),
-    (["loader=seed_iterable", "loader.variant=pin_all"], "loader.variant must be one of no_pinning, copy_in_loader, "
+    (["loader=iterable_chunks", "loader.variant=pin_all"], "loader.variant must be one of no_pinning, copy_in_loader, "
                                                          "pin_batches, pin_chunk (got 'pin_all'): set loader.variant=pin_batches"),
     (["loader.prefetch_factor=0"], "loader.prefetch_factor must be >= 1 (got 0): set loader.prefetch_factor=2"),
     (["model.bottleneck=0"], "model.bottleneck must be >= 1 (got 0): set model.bottleneck=3"),
@@ -82,10 +82,22 @@ def test_each_config_checks_itself_when_made_directly():
     assert PrefetchLoader.Config().depth == 1 and dataclasses.is_dataclass(PrefetchLoader.Config)
 
 
-def test_a_key_added_with_plus_that_the_section_lacks_is_refused():
+def test_a_key_added_with_plus_that_the_section_lacks_is_refused_naming_the_nearest_key():
     cfg = compose_config("loader=prefetch", "+loader.batchsize=1")  # Hydra lets `+` add a key to a schema
     with pytest.raises(ConfigError, match=r"^loader\.batchsize is not a key of loader \(PrefetchLoader\.Config\): "
-                                          r"remove \+loader\.batchsize; its keys are name, batch_size, .*depth$"):
+                                          r"did you mean loader\.batch_size\? set loader\.batch_size=1 instead of "
+                                          r"\+loader\.batchsize=1; its keys are name, batch_size, .*depth$"):
+        validate(cfg)
+    cfg = compose_config("+engine.optimizer.nmae=sgd")  # nested sections too, and booleans as Hydra spells them
+    with pytest.raises(ConfigError, match=r"^engine\.optimizer\.nmae is not a key of engine\.optimizer .*: did you mean "
+                                          r"engine\.optimizer\.name\? set engine\.optimizer\.name=sgd instead of "):
+        validate(cfg)
+    cfg = compose_config("+engine.verifyy=true")
+    with pytest.raises(ConfigError, match=r"set engine\.verify=true instead of \+engine\.verifyy=true;"):
+        validate(cfg)
+    cfg = compose_config("+loader.colour=red")  # nothing close: the fix is to remove it
+    with pytest.raises(ConfigError, match=r"^loader\.colour is not a key of loader \(BaselineLoader\.Config\): "
+                                          r"remove \+loader\.colour; its keys are "):
         validate(cfg)
 
 

@@ -23,7 +23,7 @@ from trainer.tracking.runs import PER_STEP_METRICS
 from clirun import check_turns_run
 from conftest import compose_config
 
-SUMMARIES = ["throughput_samples_per_s", "data_wait_fraction", "gpu_busy_fraction", "h2d_GBps", "setup_s",
+SUMMARIES = ["throughput_samples_per_s", "data_wait_fraction", "compute_stream_span_fraction", "h2d_GBps", "setup_s",
              "peak_gpu_mem_mb", "total_steps", "total_samples", "ms_per_step", "host_page_faults_per_step",
              "host_cpu_ms_per_step"]
 TAGS = ["strategy", "dataset", "model", "device", "degraded", "gpu_name", "torch_version", "cuda_version"]
@@ -181,11 +181,11 @@ def test_the_meter_keeps_no_step_tensor_alive():
 
 def test_gpu_summaries_are_taken_over_the_steps_timed_on_the_gpu():
     import math
-    from trainer.loop.summary import busy_fraction, median_of_timed
+    from trainer.loop.summary import stream_span_fraction, median_of_timed
     rows = [{"compute_ms": v} for v in (2.0, math.nan, 4.0, math.nan)]
     assert median_of_timed(rows, "compute_ms") == 3.0
-    assert busy_fraction(rows, wall_ms=16.0) == pytest.approx(3.0 * 4 / 16.0)  # mean of the timed, for every step
-    assert busy_fraction(rows, wall_ms=11.0) == 1.0  # a sample above the wall time: a stream is never busier than always
+    assert stream_span_fraction(rows, wall_ms=16.0) == pytest.approx(3.0 * 4 / 16.0)  # mean of the timed, for every step
+    assert stream_span_fraction(rows, wall_ms=11.0) == 1.0  # a sample above the wall time: a stream is never busier than always
     assert math.isnan(median_of_timed([{"compute_ms": math.nan}], "compute_ms")) and median_of_timed([], "x") == 0.0
 
 

@@ -1,5 +1,5 @@
-"""Datasets: seed 000's synthetic chunks, and MNIST / CIFAR-10 read by torchvision's own classes
-from files written in their real on-disk formats (tests/fake_data.py)."""
+"""Datasets: the synthetic chunks, and MNIST / CIFAR-10 read by torchvision's own classes from
+files written in their real on-disk formats (trainer.fake_data)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from datasets.synthetic import SyntheticDataset
 from models import build_model
 from trainer.config import PROJECT_ROOT
 from trainer.errors import ConfigError
+from trainer.fake_data import write_cifar10, write_mnist
 from trainer.loop.run import run
 
 from conftest import compose_config
-from fake_data import write_cifar10, write_mnist
 
 QUICK = ["loader.batch_size=16", "engine.epochs=1", "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
 MNIST_FILES = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
@@ -102,7 +102,7 @@ def test_storage_dtype_crosses_as_is_and_becomes_float32_input(dtype, nbytes):
     assert torch.equal(item, model_input[5]) and label == ds.labels[5]
 
 
-def test_seed_iterable_loads_each_chunk_then_draws_batches_from_it():
+def test_iterable_chunks_loads_each_chunk_then_draws_batches_from_it():
     ds = SyntheticDataset(synthetic("dataset.num_samples=30", "dataset.chunk_samples=10", "dataset.batches_per_chunk=4",
                                     "dataset.load_ms=40"))
     it = ds.iterable(batch_size=8)
@@ -125,13 +125,13 @@ def test_seed_iterable_loads_each_chunk_then_draws_batches_from_it():
     assert not torch.equal(second[0][0], batches[0][0])
 
 
-def test_seed_iterable_one_pass_per_chunk_by_default():
+def test_iterable_chunks_one_pass_per_chunk_by_default():
     ds = SyntheticDataset(synthetic("dataset.num_samples=50", "dataset.chunks=2"))
     it = ds.iterable(batch_size=8)
     assert len(it) == 2 * math.ceil(25 / 8) == len(list(it))
 
 
-def test_seed_iterable_in_dataloader_workers_serves_each_chunk_once():
+def test_iterable_chunks_in_dataloader_workers_serves_each_chunk_once():
     ds = SyntheticDataset(synthetic("dataset.num_samples=40", "dataset.chunks=4", "dataset.batches_per_chunk=2"))
     in_process = list(ds.iterable(batch_size=4))
     loader = torch.utils.data.DataLoader(ds.iterable(batch_size=4), batch_size=None, num_workers=2)
@@ -160,6 +160,29 @@ def test_fake_files_are_in_torchvision_layout(mnist_root, cifar_root):
     assert (raw / "train-images-idx3-ubyte").stat().st_size == 16 + 40 * 28 * 28
     assert (raw / "train-labels-idx1-ubyte").read_bytes()[:8] == bytes([0, 0, 8, 1, 0, 0, 0, 40])
     assert sorted(p.name for p in (cifar_root[0] / "cifar-10-batches-py").iterdir()) == sorted(CIFAR_FILES)
+
+
+def test_fake_data_command_writes_both_datasets_named_as_random(tmp_path, capsys):
+    """`python -m trainer.fake_data`: small files torchvision reads as MNIST and CIFAR-10, a README.txt and
+    its output saying they are random pixels, the overrides to use them; never over files it did not write."""
+    from trainer import fake_data
+    root = tmp_path / "random_pixels"
+    assert fake_data.main(["--root", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"wrote RANDOM PIXELS in the MNIST and CIFAR-10 file formats under {root}")
+    assert f"python -m trainer dataset=mnist model=mlp dataset.root={root} dataset.download=false" in out
+    assert "NOT MNIST or CIFAR-10" in (root / "README.txt").read_text()
+    mnist = build_dataset(vision("mnist", root))
+    cifar = build_dataset(vision("cifar10", root))
+    assert (len(mnist), len(cifar)) == (fake_data.SMALL["mnist"][0], fake_data.SMALL["cifar10"][0])
+    assert fake_data.main(["--root", str(root), "--seed", "1"]) == 0  # its own files: written again
+    real = tmp_path / "real"
+    write_mnist(real)  # MNIST files without the README.txt: not the command's to overwrite
+    before = (real / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes()
+    capsys.readouterr()
+    assert fake_data.main(["--root", str(real)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: {real} already holds MNIST that this command did not write")
+    assert (real / "MNIST" / "raw" / "train-images-idx3-ubyte").read_bytes() == before
 
 
 @pytest.mark.parametrize("train,split,n", [(True, "train", 40), (False, "test", 12)])

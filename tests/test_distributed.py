@@ -33,7 +33,7 @@ from trainer.tools import scaling
 from trainer.tracking import report, sweep
 
 STRATEGIES = list(LOADERS)
-SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
+SAME_SAMPLES = [s for s in STRATEGIES if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 # 101 samples over 2 ranks: in batches of 17, 6 batches, 3 each (51 and 50 samples); in batches of
 # 25, 5 batches: 3 and 2.
 SMALL = ["dataset.num_samples=101", "dataset.shape=[4,4]", "engine.warmup_steps=1",
@@ -53,7 +53,7 @@ def samples(loader, epochs: int = 2):
 def test_ranks_split_every_epoch_exactly_once(tiny_cfg, strategy):
     """Two ranks' shards of each epoch together hold exactly one process's samples; the same seed
     gives the same split; every strategy takes it from the shared order code."""
-    extra = ["dataset.chunks=3", "dataset.num_samples=99"] if strategy != "seed_iterable" else [
+    extra = ["dataset.chunks=3", "dataset.num_samples=99"] if strategy != "iterable_chunks" else [
         "dataset.chunks=4", "dataset.num_samples=96", "dataset.batches_per_chunk=2"]
     cfg = tiny_cfg(f"loader={strategy}", *extra)
     ds = build_dataset(cfg.dataset)
@@ -150,7 +150,7 @@ def test_checksums_of_shards_combine_into_the_whole():
 
 def test_summaries_combine_into_the_run_figures():
     a = {"throughput_samples_per_s": 100.0, "timed_wall_s": 2.0, "data_wait_fraction": 0.2, "h2d_GBps": 10.0,
-         "gpu_busy_fraction": 0.5, "total_samples": 250.0, "total_steps": 5.0, "pinned_host_mb": 30.0,
+         "compute_stream_span_fraction": 0.5, "total_samples": 250.0, "total_steps": 5.0, "pinned_host_mb": 30.0,
          "peak_gpu_mem_mb": 7.0, "timed_start_unix_s": 10.0, "timed_end_unix_s": 12.0, "final_loss": 1.5,
          "h2d_peak_pinned_GBps": 50.0, "median_step_ms": 4.0}
     b = dict(a, throughput_samples_per_s=50.0, timed_wall_s=4.0, data_wait_fraction=0.4, h2d_GBps=20.0,
@@ -367,7 +367,7 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     assert (done.data.tags["world_size"], done.data.tags["backend"], done.data.tags["steps_per_rank"]) == ("2", "gloo", "6,6")
     m = done.data.metrics
     assert m["total_samples"] == 202 and m["total_steps"] == 6
-    assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "gpu_busy_fraction")} <= set(m)
+    assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction")} <= set(m)
     assert m["aggregate_h2d_GBps"] == m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
     assert len(steps_csv(tracking_uri, done.info.run_id)) == 6
     assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}
@@ -418,7 +418,7 @@ def test_torchrun_four_ranks_with_drop_last_train_on_the_one_process_batches(tmp
 
 
 def test_multi_gpu_preset_sweeps_every_strategy_of_baselines_samples():
-    """The README's multi-GPU table covers every strategy (seed_iterable reproduces seed 000 instead)."""
+    """The README's multi-GPU table covers every strategy (iterable_chunks draws random rows instead)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose("config", overrides=["experiment=multi_gpu"], return_hydra_config=True)
     assert sorted(cfg.hydra.sweeper.params.loader.split(",")) == sorted(SAME_SAMPLES)

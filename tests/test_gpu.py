@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import subprocess
+import sys
 import random
 import threading
 import time
@@ -13,6 +15,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
+from conftest import TINY
 from datasets import build_dataset
 from trainer.loaders import LOADERS, build_loader
 from trainer.loaders.pinned_gather import THREAD_PREFIX
@@ -22,7 +25,7 @@ from trainer.loop.verify import Checksum
 pytestmark = pytest.mark.gpu
 STRATEGIES = list(LOADERS)
 COPYING = [s for s in STRATEGIES if s != "gpu_resident"]
-SAME_SAMPLES = [s for s in STRATEGIES if s != "seed_iterable"]  # seed_iterable draws seed 000's random rows
+SAME_SAMPLES = [s for s in STRATEGIES if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 
 
 def gpu(tiny_cfg, *overrides):
@@ -65,8 +68,8 @@ def test_cuda_events_time_the_steps_and_copies_of_the_sampled_runs(every, tiny_c
     assert all(float(x["compute_ms"]) > 0 for x, e in zip(rows, expect) if e)
     history = MlflowClient(tracking_uri).get_metric_history(r.info.run_id, "compute_ms")
     assert sorted(m.step for m in history) == [i + 1 for i, e in enumerate(expect) if e]
-    assert summary["median_compute_ms"] > 0 and summary["h2d_GBps"] > 0 and 0 < summary["gpu_busy_fraction"]
-    assert 0 <= summary["hidden_h2d_fraction"] <= 1
+    assert summary["median_compute_ms"] > 0 and summary["h2d_GBps"] > 0 and 0 < summary["compute_stream_span_fraction"]
+    assert 0 <= summary["h2d_beside_step_fraction"] <= 1
 
 
 @pytest.mark.parametrize("shuffle", ["false", "true"])
@@ -175,30 +178,56 @@ def test_no_memory_growth_over_20_epochs(strategy, tiny_cfg):
         pinned.append(_host_pinned_bytes())
     loader.close()
     assert reserved[2:] == [reserved[2]] * 18, reserved
-    assert pinned[2:] == [pinned[2]] * 18, pinned
+    if strategy in ("pinned", "prefetch"):
+        # The DataLoader's pin thread holds however many batches are in flight when the epoch is
+        # sampled (a block or two more or less): bounded, not growing.
+        assert max(pinned[10:]) <= max(pinned[2:10]) + (512 << 10), pinned
+    else:
+        assert pinned[2:] == [pinned[2]] * 18, pinned
+
+
+_PINNED_BYTES = """
+import sys, torch
+import trainer.components  # noqa: F401
+from hydra import compose, initialize_config_dir
+from trainer.config import CONF_DIR
+from conftest import TINY
+from datasets import build_dataset
+from trainer.loaders import build_loader
+
+def held():
+    return torch.cuda.host_memory_stats()["allocated_bytes.current"]
+
+with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    cfg = compose("config", overrides=sys.argv[2:] + ["loader=" + sys.argv[1]])
+torch.empty(1, device="cuda"); torch.cuda.synchronize(); torch._C._host_emptyCache()
+before = held()
+loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
+buffers = [t for pair in loader.buffers for t in pair] if sys.argv[1] == "pinned_chunk" else [loader.slots_x, loader.slots_y]
+print(loader.pinned_bytes, held() - before, sum(t.nbytes for t in buffers))
+for _ in range(2):
+    for x, _y in loader:
+        x.sum()
+for i, (x, _y) in enumerate(loader):  # a pass abandoned with copies in flight
+    if i == 3:
+        break
+loader.close()
+print(held() - before)
+"""
 
 
 @pytest.mark.parametrize("strategy", ["pinned_chunk", "pinned_gather"])
-def test_pinned_bytes_are_what_the_host_allocator_reserves_and_close_gives_them_back(strategy, tiny_cfg):
+def test_pinned_bytes_are_what_the_host_allocator_reserves_and_close_gives_them_back(strategy):
     """Buffers of sizes that are no power of two: `pinned_bytes` (the run's `pinned_host_mb`) is the
     allocator's growth, rounding included; after close() it holds what it held before (nothing
-    kept cached for the rest of the process)."""
-    torch.empty(1, device="cuda")
-    torch.cuda.synchronize()
-    torch._C._host_emptyCache()
-    before = _host_pinned_bytes()
-    cfg = gpu(tiny_cfg, f"loader={strategy}", "dataset.chunks=3")
-    loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cuda"))
-    held = [t for pair in loader.buffers for t in pair] if strategy == "pinned_chunk" else [loader.slots_x, loader.slots_y]
-    assert loader.pinned_bytes == _host_pinned_bytes() - before > sum(t.nbytes for t in held)
-    for _ in range(2):
-        for x, _y in loader:
-            x.sum()
-    for i, (x, _y) in enumerate(loader):  # a pass abandoned with copies in flight
-        if i == 3:
-            break
-    loader.close()
-    assert _host_pinned_bytes() == before
+    kept cached for the rest of the process). In a process of its own: the allocator's counts are
+    the process's, whatever earlier tests left pinned."""
+    overrides = [o.replace("engine.device=cpu", "engine.device=cuda") for o in TINY] + ["dataset.chunks=3"]
+    proc = subprocess.run([sys.executable, "-c", _PINNED_BYTES, strategy, *overrides], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (counted, grew, exact), (after,) = [list(map(int, line.split())) for line in proc.stdout.split("\n")[:2]]
+    assert counted == grew > exact
+    assert after == 0
 
 
 @pytest.mark.parametrize("strategy", ["prefetch", "pinned_chunk", "pinned_gather"])

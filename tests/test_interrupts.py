@@ -257,7 +257,7 @@ def test_pinned_memory_returns_to_baseline_between_strategies(tiny_cfg):
     torch.empty(1, device="cuda")  # CUDA initialised before the baseline is read
     baseline = held_pinned()
     for _ in range(2):
-        for strategy in ["pinned", "prefetch", "pinned_chunk", "pinned_gather", "gpu_resident", "seed_iterable"]:
+        for strategy in ["pinned", "prefetch", "pinned_chunk", "pinned_gather", "gpu_resident", "iterable_chunks"]:
             summary = run(tiny_cfg("engine.device=cuda", f"loader={strategy}", "dataset.chunks=2", "loader.num_workers=2"))
             assert summary["total_steps"] > 0
             assert held_pinned() == baseline, strategy

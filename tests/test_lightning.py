@@ -1,6 +1,6 @@
 """`engine.loop=lightning`: the same run driven by Lightning's Trainer, with the feedbench loop's
 contract (metrics, artifacts, checksums, faults, interrupts); the profiler's overlap check; and
-`lightning_prefetch` / `FeedbenchDataModule` for Lightning users (the README's snippet, run)."""
+`lightning_prefetch` / `FeedbenchDataModule` for Lightning users (docs/lightning.md's snippet, run)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from trainer.tracking.runs import PER_STEP_METRICS
 from trainer.validate import validate
 
 STRATEGIES = list(LOADERS)
-CONTRACT = ["throughput_samples_per_s", "data_wait_fraction", "gpu_busy_fraction", "h2d_GBps", "hidden_h2d_fraction",
+CONTRACT = ["throughput_samples_per_s", "data_wait_fraction", "compute_stream_span_fraction", "h2d_GBps", "h2d_beside_step_fraction",
             "setup_s", "peak_gpu_mem_mb", "pinned_host_mb", "total_steps", "total_samples", "timed_wall_s",
             "median_step_ms", "final_loss"]
 
@@ -156,14 +156,14 @@ def test_lightning_copies_only_what_a_strategy_leaves_to_it(tiny_cfg):
         batches = loader.host_batches()
         return loader, None if batches is None else list(batches)
 
-    for overrides in (["loader=baseline"], ["loader=pinned"], ["loader=seed_iterable", "loader.variant=pin_batches"],
-                      ["loader=seed_iterable", "loader.variant=no_pinning"]):
+    for overrides in (["loader=baseline"], ["loader=pinned"], ["loader=iterable_chunks", "loader.variant=pin_batches"],
+                      ["loader=iterable_chunks", "loader.variant=no_pinning"]):
         loader, batches = host(*overrides)
         assert batches is not None and len(batches) == len(loader), overrides
         assert [x.shape for x, _ in batches] == [x.shape for x, _ in loader]
     for overrides in (["loader=pinned", "loader.non_blocking=false"], ["loader=prefetch"], ["loader=pinned_chunk"],
-                      ["loader=gpu_resident"], ["loader=seed_iterable", "loader.variant=pin_chunk"],
-                      ["loader=seed_iterable", "loader.variant=copy_in_loader"]):
+                      ["loader=gpu_resident"], ["loader=iterable_chunks", "loader.variant=pin_chunk"],
+                      ["loader=iterable_chunks", "loader.variant=copy_in_loader"]):
         assert host(*overrides)[1] is None, overrides  # they copy (or hold the data on the device) themselves
 
 
@@ -321,17 +321,17 @@ def test_profiler_traces_the_last_warm_up_steps(warmup, expected, synced, tmp_pa
 
 
 # ----------------------------------------------------------------------------- for Lightning users
-def readme_snippet(heading: str) -> str:
-    text = (PROJECT_ROOT / "README.md").read_text()
+def docs_snippet(heading: str) -> str:
+    text = (PROJECT_ROOT / "docs" / "lightning.md").read_text()
     section = text[text.index(heading):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_lightning_prefetch_snippet_runs():
-    snippet = readme_snippet("### GPU prefetching in your own Lightning code")
+def test_docs_lightning_prefetch_snippet_runs():
+    snippet = docs_snippet("## GPU prefetching in your own Lightning code")
     assert "lightning_prefetch(loader, depth=2)" in snippet
-    namespace: dict = {"__name__": "readme"}
-    exec(compile(snippet, "README.md", "exec"), namespace)
+    namespace: dict = {"__name__": "docs"}
+    exec(compile(snippet, "docs/lightning.md", "exec"), namespace)
     trainer = namespace["trainer"]
     assert trainer.state.finished and trainer.global_step == 2 * 2048 // 64
     datamodule = trainer.datamodule
@@ -453,7 +453,7 @@ def test_gpu_lightning_loop_times_copy_compute_and_lightning(strategy, tiny_cfg,
     (r,) = runs()
     assert r.data.tags["loop"] == "lightning" and r.data.tags["degraded"] == "false"
     assert summary["median_compute_ms"] > 0 and summary["median_lightning_ms"] > 0
-    if strategy != "gpu_resident":  # every other copies, Lightning's transfer for baseline/pinned/seed_iterable
+    if strategy != "gpu_resident":  # every other copies, Lightning's transfer for baseline/pinned/iterable_chunks
         assert summary["median_h2d_ms"] > 0 and summary["h2d_GBps"] > 0
     else:
         assert summary["median_h2d_ms"] == 0
@@ -461,7 +461,7 @@ def test_gpu_lightning_loop_times_copy_compute_and_lightning(strategy, tiny_cfg,
 
 @pytest.mark.gpu
 def test_gpu_checksums_equal_under_both_loops(tiny_cfg, runs):
-    for strategy in [s for s in STRATEGIES if s != "seed_iterable"] + ["seed_iterable"]:
+    for strategy in [s for s in STRATEGIES if s != "iterable_chunks"] + ["iterable_chunks"]:
         for loop in ("feedbench", "lightning"):
             run(gpu(tiny_cfg, f"loader={strategy}", f"engine.loop={loop}", "engine.verify=true", "engine.epochs=3",
                     "dataset.chunks=3", "loader.num_workers=2", "loader.shuffle=true"))
@@ -483,7 +483,7 @@ def test_gpu_trace_side_stream_copies_overlap_and_lightning_does_not_copy_again(
     assert prefetch["trace_h2d_overlap_fraction"] > 0.5  # hidden behind the 20 ms steps (all but the first traced batch)
     assert in_line["trace_h2d_overlap_fraction"] < 0.1  # queued on the compute stream, in line with the steps
     # The meter's CUDA events say the same over the timed steps, in either loop.
-    assert prefetch["hidden_h2d_fraction"] > 0.8 and in_line["hidden_h2d_fraction"] < 0.1
+    assert prefetch["h2d_beside_step_fraction"] > 0.8 and in_line["h2d_beside_step_fraction"] < 0.1
     r = next(r for r in runs() if r.data.tags["strategy"] == "prefetch")
     events = json.loads(Path(MlflowClient(tracking_uri).download_artifacts(r.info.run_id, "trace.json")).read_text())["traceEvents"]
     # Device-ready batches: no second copy. The only device-to-device copies are the meter's: each
@@ -554,7 +554,7 @@ def test_gpu_out_of_memory_in_a_lightning_step_is_one_line(tiny_cfg, runs):
 
 
 def test_versus_times_lightnings_loop_against_ours_in_turns(tmp_path, capsys):
-    """The README's `trainer.versus --a engine.loop=lightning --b engine.loop=feedbench`: Lightning's
+    """docs/lightning.md's `trainer.versus --a engine.loop=lightning --b engine.loop=feedbench`: Lightning's
     run records the per-step host clock that turn-taking needs, so each loop's ms/step counts only
     its own turns, and the table names both sides."""
     from trainer.versus import main

@@ -125,7 +125,7 @@ def test_the_copy_ceilings_use_a_full_batch_not_the_last_one(fake_cuda, monkeypa
     assert sampler.batch_bytes == 4096
     monkeypatch.setattr(run_module, "h2d_bandwidth", lambda nbytes, pinned, device: float(nbytes))
     meter = SimpleNamespace(batch_bytes=sampler.batch_bytes, copy_bytes=1024)
-    assert run_module.ceilings(meter, torch.device("cuda")) == {"h2d_peak_pinned_GBps": 4096.0,
+    assert run_module.ceilings(meter, torch.device("cuda")) == {"h2d_batch_mb": 4096 / 2**20, "h2d_peak_pinned_GBps": 4096.0,
                                                                 "h2d_peak_pageable_GBps": 4096.0}
 
 
@@ -204,7 +204,7 @@ def test_gpu_the_host_result_needs_nothing_from_a_broken_device(monkeypatch):
     host_columns = ("step", "epoch", "samples", "data_wait_ms", "step_ms", "host_clock_s")
     assert [[r[k] for k in host_columns] for r in host.rows] == [[r[k] for k in host_columns] for r in full.rows]
     assert all(math.isnan(r["compute_ms"]) and math.isnan(r["loss"]) for r in host.rows)
-    assert host.summary["timed_steps"] == 98 and math.isnan(host.summary["gpu_busy_fraction"])
+    assert host.summary["timed_steps"] == 98 and math.isnan(host.summary["compute_stream_span_fraction"])
     assert host.summary["timed_wall_s"] == full.summary["timed_wall_s"]  # the region had ended
 
 
@@ -246,7 +246,7 @@ def test_one_summary_for_every_loop():
     rows = [_row(1, 1.0, 2.0, 4.0), _row(2, 3.0, math.nan, 6.0)]
     s = summarise(rows, wall_s=0.01, faults=8, cpu_s=0.004)
     assert s["throughput_samples_per_s"] == pytest.approx(2000.0) and s["data_wait_fraction"] == pytest.approx(0.4)
-    assert s["gpu_busy_fraction"] == pytest.approx(2.0 * 2 / 10) and s["median_compute_ms"] == 2.0
+    assert s["compute_stream_span_fraction"] == pytest.approx(2.0 * 2 / 10) and s["median_compute_ms"] == 2.0
     assert (s["host_page_faults_per_step"], s["host_cpu_ms_per_step"], s["ms_per_step"]) == (4.0, 2.0, 5.0)
     assert s["timed_steps"] == 2 and s["final_loss"] == 2.0 and "lightning_fraction" not in s
     lightning = summarise([_row(1, 1.0, 2.0, 4.0, 0.5), _row(2, 3.0, 2.0, 6.0, 1.5)], wall_s=0.01)
@@ -254,5 +254,5 @@ def test_one_summary_for_every_loop():
     assert {k: v for k, v in lightning.items() if "lightning" not in k}.keys() == s.keys()
     # GPU figures a host-only result cannot have: nan, not 0
     untimed = summarise([_row(1, 1.0, math.nan, 4.0, h2d=math.nan)], wall_s=0.004, copy_spans=None)
-    assert math.isnan(untimed["h2d_GBps"]) and math.isnan(untimed["hidden_h2d_fraction"])
+    assert math.isnan(untimed["h2d_GBps"]) and math.isnan(untimed["h2d_beside_step_fraction"])
     assert summarise([_row(1, 1.0, 2.0, 4.0)], wall_s=0.004)["h2d_GBps"] == 0.0  # nothing was copied

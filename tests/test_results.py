@@ -97,11 +97,11 @@ def test_quiet_runs_print_no_summary(tmp_path, tracking_uri):
 def test_what_bounds_a_run_is_read_from_its_own_figures():
     assert bound_by({"data_wait_fraction": 0.7}, "cpu").startswith("the data: the loop waited for its next batch 70%")
     assert bound_by({"data_wait_fraction": 0.1}, "cpu") == "the step's own work on the CPU (data wait 10% of the timed time)"
-    gpu = {"data_wait_fraction": 0.05, "gpu_busy_fraction": 0.9, "median_h2d_ms": 1.0, "median_step_ms": 10.0}
-    assert bound_by(gpu, "cuda").startswith("the GPU's work: busy 90%")
-    copying = dict(gpu, gpu_busy_fraction=0.4, median_h2d_ms=6.0, hidden_h2d_fraction=0.0)
+    gpu = {"data_wait_fraction": 0.05, "compute_stream_span_fraction": 0.9, "median_h2d_ms": 1.0, "median_step_ms": 10.0}
+    assert bound_by(gpu, "cuda").startswith("the step on the GPU: the compute stream's span covers 90%")
+    copying = dict(gpu, compute_stream_span_fraction=0.4, median_h2d_ms=6.0, h2d_beside_step_fraction=0.0)
     assert bound_by(copying, "cuda").startswith("the host-to-device copy: 60% of a step")
-    assert bound_by(dict(copying, hidden_h2d_fraction=1.0), "cuda").startswith("no single part")  # copies hidden
+    assert bound_by(dict(copying, h2d_beside_step_fraction=1.0), "cuda").startswith("no single part")  # copies beside steps
 
 
 # ----------------------------------------------------------------------------- the comparison
@@ -119,7 +119,7 @@ def _sweep(uri: str, jobs) -> tuple:
         client.log_param(rid, "loader.name", loader)
         client.log_param(rid, "model.name", model)
         for k, v in {"throughput_samples_per_s": 64e3 / ms, "ms_per_step": ms, "ms_per_step_ci_low": ms - half,
-                     "ms_per_step_ci_high": ms + half, "gpu_busy_fraction": 0.95, "h2d_GBps": 3.0,
+                     "ms_per_step_ci_high": ms + half, "compute_stream_span_fraction": 0.95, "h2d_GBps": 3.0,
                      "data_wait_fraction": 0.1}.items():
             client.log_metric(rid, k, v)
         client.set_terminated(rid, "FINISHED")
@@ -141,7 +141,7 @@ def test_the_comparison_marks_noise_cpu_columns_and_degraded_jobs(tracking_uri):
     assert by[("prefetch", "mlp")]["ms_per_step_ci95"] == pytest.approx(0.3)
     for r in rows:  # the GPU's figures of a CPU job are blank, not the numbers it logged
         cpu = r["device"] == "cpu"
-        assert (r["gpu_busy_fraction"] is None, r["h2d_GBps"] is None) == (cpu, cpu)
+        assert (r["compute_stream_span_fraction"] is None, r["h2d_GBps"] is None) == (cpu, cpu)
         assert r["data_wait_fraction"] == 0.1
 
     table = report.format_table(keys, rows).splitlines()
@@ -155,7 +155,7 @@ def test_the_comparison_marks_noise_cpu_columns_and_degraded_jobs(tracking_uri):
     assert report.to_markdown(keys, rows).splitlines()[-3:] == [f"{line}  " for line in table[7:]]
     csv_rows = {r["run_id"]: r for r in _csv(report.to_csv(keys, rows))}
     cpu_row = csv_rows[by[("baseline", "autoencoder")]["run_id"]]
-    assert (cpu_row["gpu_busy_fraction"], cpu_row["h2d_GBps"]) == ("", "")
+    assert (cpu_row["compute_stream_span_fraction"], cpu_row["h2d_GBps"]) == ("", "")
     assert csv_rows[by[("prefetch", "mlp")]["run_id"]]["speedup_within_noise"] == "true"
 
 
@@ -175,7 +175,7 @@ def test_the_plot_gives_each_model_its_own_throughput_axis_and_marks_degraded_jo
     assert notes == ["×1.00", "×1.11  degraded: CPU path"]
     assert [bar.get_hatch() for bar in throughput_axes[1].patches] == [None, "//"]
     assert [t.get_text() for t in throughput_axes[0].texts][1].startswith("×1.03~")
-    gpu_bars = [bar.get_width() for bar in fig.axes[3].patches][2:]  # the CPU jobs' gpu_busy_fraction bars
+    gpu_bars = [bar.get_width() for bar in fig.axes[3].patches][2:]  # the CPU jobs' compute_stream_span_fraction bars
     assert gpu_bars == [0.0, 0.0]
 
 
@@ -216,7 +216,7 @@ def test_a_sweep_prints_its_table_once_and_no_summary_per_job(tmp_path, tracking
     out = proc.stdout.splitlines()
     assert out.count(report.LEGEND["all_cpu"]) == 1
     (head,) = [line.split() for line in out if line.startswith("job ")]  # one table
-    assert "ms_per_step_ci95" in head and "gpu_busy_fraction" not in head and "h2d_GBps" not in head
+    assert "ms_per_step_ci95" in head and "compute_stream_span_fraction" not in head and "h2d_GBps" not in head
 
 
 def test_a_cpu_run_with_the_profiler_prints_nothing_from_it(tmp_path):

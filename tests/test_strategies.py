@@ -23,9 +23,9 @@ from trainer.loop.verify import Checksum
 
 from conftest import TINY, compose_config
 
-# seed_iterable draws seed 000's random rows (with replacement): it reproduces that seed rather than
-# delivering baseline's samples, and is tested with its preset (test_presets.py).
-STRATEGIES = [s for s in LOADERS if s != "seed_iterable"]
+# iterable_chunks draws random rows (with replacement): it reproduces a public notebook's loader rather
+# than delivering baseline's samples, and is tested with its presets (test_presets.py).
+STRATEGIES = [s for s in LOADERS if s != "iterable_chunks"]
 
 
 def checksums(tiny_cfg, strategy, *overrides):

@@ -63,7 +63,7 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     proc = multirun(tmp_path, tracking_uri, "loader=baseline,pinned", "model=mlp,autoencoder", "engine.device=cpu",
                     sweep_dir=False)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db"]  # the store, beside its DB
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mlartifacts", "mlflow.db", "mlflow.db.lock"]  # the store, beside its DB
     client, parent, children = parent_and_children(tracking_uri)
 
     assert parent.info.status == "FINISHED"
@@ -90,7 +90,7 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
         assert (row["loader"], row["model"], row["status"]) == (r.data.tags["strategy"], r.data.tags["model"], "FINISHED")
         for m in ("throughput_samples_per_s", "data_wait_fraction"):
             assert float(row[m]) == r.data.metrics[m], m
-        assert row["gpu_busy_fraction"] == row["h2d_GBps"] == ""  # CPU jobs: blank, not numbers
+        assert row["compute_stream_span_fraction"] == row["h2d_GBps"] == ""  # CPU jobs: blank, not numbers
         base = by_setting[("baseline", r.data.tags["model"])].data.metrics["throughput_samples_per_s"]
         assert float(row["speedup_vs_baseline"]) == r.data.metrics["throughput_samples_per_s"] / base
     assert {float(rows[by_setting[("baseline", m)].info.run_id]["speedup_vs_baseline"]) for m in ("mlp", "autoencoder")} == {1.0}
@@ -106,8 +106,11 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     assert parent.info.run_id in lines[0]
     head = lines[1].split()
     assert head[:4] == ["job", "loader", "model", "status"] and "speedup_vs_baseline" in head
-    assert lines[7:] == report.legend(report.compare(client, parent)[1])  # title, header, rule, 4 jobs, legend
+    assert lines[7:-1] == report.legend(report.compare(client, parent)[1])  # title, header, rule, 4 jobs, legend, best
     assert len({len(line) for line in lines[1:7]}) <= 2  # aligned: the rule and the rows as wide as the header
+    fastest = max(children, key=lambda r: r.data.metrics["throughput_samples_per_s"])
+    assert lines[-1].startswith(f"best: job {fastest.data.tags['sweep.job']} (run {fastest.info.run_id}): ")  # last
+    assert client.get_run(parent.info.run_id).data.tags["best_run_id"] == fastest.info.run_id
     for r in children:
         line = next(x for x in lines[3:] if x.split()[0] == r.data.tags["sweep.job"])
         assert line.split()[1:3] == [r.data.tags["strategy"], r.data.tags["model"]]
@@ -207,7 +210,8 @@ def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, t
     assert report.main(["--uri", tracking_uri, "--sweep", child.info.run_id]) == 0
     out = capsys.readouterr().out.splitlines()
     assert parent_id in out[0] and out[1].split()[:3] == ["job", "loader", "status"]
-    assert sorted(line.split()[1] for line in out[3:5]) == ["baseline", "pinned"]  # then the legend
+    assert sorted(line.split()[1] for line in out[3:5]) == ["baseline", "pinned"]  # then the legend, then the best
+    assert out[-1].startswith("best: job ") and "throughput_samples_per_s=" in out[-1]  # the fastest job
     assert "engine_vs_plain" not in out[1]
 
     # --plain: each job's config run again as a plain loop in its own process, logged on the job.

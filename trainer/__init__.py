@@ -21,6 +21,20 @@ def _check_datasets_package() -> None:
 _check_datasets_package()
 
 
+def feedbench_config(overrides=()):
+    """The config `python -m trainer <overrides>` runs, composed and checked, as typed sections (`cfg.loader.depth`)."""
+    from hydra import compose, initialize_config_dir
+
+    import trainer.components  # noqa: F401  (registers every dataset, loader and model option)
+    from trainer.config import CONF_DIR
+    from trainer.validate import validate
+
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    return validate(cfg)
+
+
 def __getattr__(name: str):
     # `from trainer import lightning_prefetch`: imported on first use, as Lightning is an optional extra.
     if name in ("lightning_prefetch", "FeedbenchDataModule", "DevicePrefetcher"):

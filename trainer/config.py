@@ -14,6 +14,7 @@ their options when imported (`trainer.components` imports all three).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import math
@@ -39,7 +40,16 @@ CONF_DIR = _PACKAGED_CONF if INSTALLED else PROJECT_ROOT / "conf"
 BASE_DIR = Path.cwd() if INSTALLED else PROJECT_ROOT
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# GradScaler.step reads from the device whether a gradient overflowed (`.item()`) before it steps
+# the optimizer: a host-side branch that a captured CUDA graph cannot hold.
+FP16_GRAPH_REFUSED = ("engine.precision=fp16 cannot be used with engine.cuda_graph=true (the gradient scaler decides on "
+                      "the host, after a sync, whether to skip each step): set engine.precision=bf16 (no scaler), or "
+                      "engine.cuda_graph=false")
 LOOPS = ("feedbench", "lightning")
+# What `python -m trainer` returns to Hydra (a sweeper optimises it), and in which direction it is better.
+OBJECTIVES = {"throughput_samples_per_s": "maximize", "ms_per_step": "minimize", "median_step_ms": "minimize",
+              "data_wait_fraction": "minimize", "gpu_kernel_busy_fraction": "maximize"}
 MAX_EXPERIMENT_NAME_LENGTH = 500  # MLflow's (mlflow.utils.validation): it refuses a longer name
 
 
@@ -72,7 +82,10 @@ class Registry(dict):
         # A plain dict first: interpolations resolve against the whole config, and an untyped
         # section (read from a file) is checked against the Config's keys and types.
         values = OmegaConf.to_container(section, resolve=True)
-        return OmegaConf.to_object(OmegaConf.merge(self[section.name].Config, values))
+        kind = self[section.name].Config
+        if takes_kwargs(kind):
+            values = fold_kwargs(kind, values)
+        return OmegaConf.to_object(OmegaConf.merge(kind, values))
 
     def build(self, section, *args, **kwargs):
         """The component `section` names, made from its typed Config and `args`."""
@@ -85,6 +98,74 @@ def import_modules(package: str, path: Iterable[str]) -> None:
     itself, so a new option is one new file."""
     for module in pkgutil.iter_modules(path):
         importlib.import_module(f"{package}.{module.name}")
+
+
+# ----------------------------------------------------------------------------- _target_
+KWARGS = "kwargs"  # the Config field that holds a `_target_`'s keyword arguments
+
+
+def takes_kwargs(kind) -> bool:
+    """True for a Config with a `kwargs` field: keys its section adds (`+dataset.root=/data`) are
+    its `_target_`'s keyword arguments, not typos."""
+    return dataclasses.is_dataclass(kind) and KWARGS in {f.name for f in dataclasses.fields(kind)}
+
+
+def fold_kwargs(kind, values: dict) -> dict:
+    """`values` of a section whose Config `takes_kwargs`, with the keys the Config lacks moved into `kwargs`."""
+    known = {f.name for f in dataclasses.fields(kind)}
+    extra = {k: v for k, v in values.items() if k not in known}
+    return {**{k: v for k, v in values.items() if k in known}, KWARGS: {**(values.get(KWARGS) or {}), **extra}}
+
+
+def locate(key: str, path: str):
+    """The object the import path `path` names (`package.module.name`), its module imported from
+    `sys.path` (PYTHONPATH); one that cannot be found is a `ConfigError` naming `key`."""
+    parts = path.split(".")
+    if len(parts) < 2 or not all(p.isidentifier() for p in parts):
+        raise ConfigError(f"{key}={path!r} is not an import path: set {key}=<module>.<name> (e.g. my_data.make_dataset), "
+                          f"with the module's folder on PYTHONPATH")
+    for i in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module; the rest are its attributes
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name and (module == e.name or module.startswith(e.name + ".")):
+                continue  # this prefix is no module: try a shorter one
+            raise ConfigError(f"{key}={path}: importing {module} failed ({type(e).__name__}: {e}): install what it "
+                              f"imports, or fix that module") from e
+        except Exception as e:  # the user's module itself fails to import (a syntax error, an error at import time)
+            raise ConfigError(f"{key}={path}: importing {module} failed ({type(e).__name__}: {_first_line(e)}): "
+                              f"fix that module") from e
+        try:
+            for name in parts[i:]:
+                found = getattr(found, name)
+        except AttributeError:
+            raise ConfigError(f"{key}={path}: module {module} has no {'.'.join(parts[i:])}: fix the name after "
+                              f"{module}.") from None
+        return found
+    raise ConfigError(f"{key}={path}: no module {parts[0]} can be imported: put the folder that holds {parts[0]}.py "
+                      f"on PYTHONPATH (PYTHONPATH=/that/folder python -m trainer ...), or fix the path") from None
+
+
+def call_target(key: str, path: str, kwargs: dict):
+    """Call the callable `path` names with `kwargs` (Hydra's `_target_` convention); a failure
+    is one `ConfigError` line naming `key` (the user's traceback stays its cause: HYDRA_FULL_ERROR=1)."""
+    if not path:
+        raise ConfigError(f"{key} is not set: set {key}=<module>.<callable> (its module's folder on PYTHONPATH)")
+    target = locate(key, path)
+    if not callable(target):
+        raise ConfigError(f"{key}={path} is a {type(target).__name__}, not a callable: name a function or class "
+                          f"that makes it")
+    try:
+        return target(**kwargs)
+    except Exception as e:
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) or "no arguments"
+        raise ConfigError(f"{key}={path} raised {type(e).__name__} when called with {given}: {_first_line(e)}: "
+                          f"fix its keyword arguments (+{key.split('.')[0]}.<name>=<value>) or the callable") from e
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
 
 
 # ----------------------------------------------------------------------------- run
@@ -125,10 +206,13 @@ class EngineConfig:
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
     quiet: bool = False  # no summary on stderr when the run ends (`python -m trainer -q`)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
+    precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around forward+loss (fp16 adds a gradient scaler)
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
     gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
     journal_s: float = 2.0  # seconds between writes of the measured steps to the run's journal (0: none; trainer.tracking.journal)
+    kernel_window_steps: int = 20  # steps traced after the timed region for the kernels' own figures (0: none; trainer.tools.profiling)
+    objective: str = "throughput_samples_per_s"  # the summary figure returned to Hydra, for a sweeper to optimise (OBJECTIVES)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
 
@@ -138,8 +222,21 @@ class EngineConfig:
         at_least("engine.warmup_steps", self.warmup_steps, 0, 5)
         at_least("engine.gpu_timing_every", self.gpu_timing_every, 1, 8)
         at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
+        at_least("engine.kernel_window_steps", self.kernel_window_steps, 0, "20 (or 0: no kernel window)")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(f"engine.objective must be one of {', '.join(OBJECTIVES)} (got {self.objective!r}): "
+                              f"set engine.objective=throughput_samples_per_s")
+        # seeds torch's generators, directly and as `seed * 1_000_003 + epoch` (the loaders' shuffles):
+        # within 32 bits both fit torch's 64-bit seeds
+        if not 0 <= self.seed < 2**32:
+            raise ConfigError(f"engine.seed must be from 0 to {2**32 - 1} (got {self.seed}): set engine.seed=0")
         if self.loop not in LOOPS:
             raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {self.loop!r}): set engine.loop=feedbench")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"engine.precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r}): "
+                              f"set engine.precision=fp32")
+        if self.precision == "fp16" and self.cuda_graph:
+            raise ConfigError(FP16_GRAPH_REFUSED)
         if self.loop == "lightning":
             self._check_lightning()
 
@@ -203,6 +300,9 @@ def register() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     if not OmegaConf.has_resolver("base_dir"):
         OmegaConf.register_new_resolver("base_dir", lambda: str(BASE_DIR))  # Hydra's folders: under outputs/ there
+    if not OmegaConf.has_resolver("objective_direction"):
+        # A sweeper's direction from the objective's (`hydra.sweeper.direction: ${objective_direction:${engine.objective}}`).
+        OmegaConf.register_new_resolver("objective_direction", lambda name: OBJECTIVES.get(name, "maximize"))
     if not OmegaConf.has_resolver("launch_time"):
         # `${now:}` as rank 0 read it: under torchrun every rank composes its own config, and
         # Hydra's output folder would otherwise differ from rank to rank. Cached, like `now`.

@@ -1,5 +1,5 @@
-"""GPU prefetching for PyTorch Lightning users (seed 001's request), and feedbench strategies as
-Lightning data. Needs `pip install 'feedbench[lightning]'`.
+"""GPU prefetching for PyTorch Lightning users (what PyTorch Lightning issue #1316 asked for), and
+feedbench strategies as Lightning data. Needs `pip install 'feedbench[lightning]'`.
 
 - `lightning_prefetch(dataloader)`: your own DataLoader, its batches copied to the Trainer's GPU on
   a side CUDA stream while the previous step computes (what `loader=prefetch` does):

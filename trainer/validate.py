@@ -10,11 +10,15 @@ and a value that works, e.g. `loader.batch_size must be >= 1 (got 0): set loader
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import os
+import sys
+import warnings
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.config import Config
+from trainer.config import KWARGS, Config, takes_kwargs
 from trainer.errors import ConfigError
 
 
@@ -44,6 +48,21 @@ def _check_interpolations(node, prefix: str) -> None:
                 _check_interpolations(child, f"{name}.")
 
 
+def _fold_kwargs(cfg: DictConfig) -> None:
+    """In each section whose Config takes keyword arguments for its `_target_` (`dataset=custom`),
+    move the keys it added (`+dataset.root=/data`) into its `kwargs`."""
+    for key in cfg:
+        node = cfg._get_node(key)
+        kind = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+        if not takes_kwargs(kind):
+            continue
+        known = {f.name for f in dataclasses.fields(kind)}
+        with open_dict(node):
+            for extra in [k for k in node if k not in known]:
+                node[KWARGS][extra] = node[extra]
+                del node[extra]
+
+
 def _check_keys(node: DictConfig, prefix: str) -> None:
     """Refuse a key that its section's dataclass does not have: Hydra lets `+loader.batchsize=1`
     add one (only a plain override of an unknown key fails at compose time), and the dataclass
@@ -54,11 +73,22 @@ def _check_keys(node: DictConfig, prefix: str) -> None:
         for key in node:
             if key not in known:
                 raise ConfigError(f"{prefix}{key} is not a key of {prefix[:-1] or 'the config'} ({kind.__name__}): "
-                                  f"remove +{prefix}{key}; its keys are {', '.join(known)}")
+                                  f"{_instead(prefix, key, node[key], known)}; its keys are {', '.join(known)}")
     for key in node:
         child = node._get_node(key)
         if isinstance(child, DictConfig):
             _check_keys(child, f"{prefix}{key}.")
+
+
+def _instead(prefix: str, key: str, value, known: list) -> str:
+    """The fix for an unknown key: the nearest real key when one is close (`batchsize` -> `batch_size`)."""
+    near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not near:
+        return f"remove +{prefix}{key}"
+    if isinstance(value, (bool, int, float, str)):
+        shown = str(value).lower() if isinstance(value, bool) else value
+        return f"did you mean {prefix}{near[0]}? set {prefix}{near[0]}={shown} instead of +{prefix}{key}={shown}"
+    return f"did you mean {prefix}{near[0]}? remove +{prefix}{key}"
 
 
 def validate(cfg) -> Config:
@@ -66,18 +96,30 @@ def validate(cfg) -> Config:
     `dataset`, `loader` and `model` are their options' own Config); raise `ConfigError` for the
     first value that cannot run."""
     resolve(cfg)
+    _fold_kwargs(cfg)
     _check_keys(cfg, "")
     job = OmegaConf.to_object(cfg)  # runs every section's __post_init__ checks
     _check_sections(job)
+    warn_workers_beyond_cores(job.loader.num_workers)
     return job
 
 
 def _check_sections(job: Config) -> None:
     """Checks that need two sections."""
-    classes = getattr(job.dataset, "num_classes", 10)  # the vision datasets have 10
-    if classes < job.model.min_classes:
+    classes = getattr(job.dataset, "num_classes", 10)  # the vision datasets have 10; None: known once it is built
+    if classes is not None and classes < job.model.min_classes:
         raise ConfigError(f"model={job.model.name} needs labels of at least {job.model.min_classes} classes (got "
                           f"dataset.num_classes={classes}): set dataset.num_classes=10, or use model=autoencoder or model=noop")
+
+
+def warn_workers_beyond_cores(workers: int) -> None:
+    """More DataLoader workers than CPU cores take turns on them: a run slows down many times
+    over. Said in one line (PyTorch's own warning, which says the same, is silenced)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if workers > cores:
+        print(f"warning: loader.num_workers={workers} but this machine gives the run {cores} CPU cores: the workers "
+              f"take turns on them and the run slows down; set loader.num_workers={cores} or fewer", file=sys.stderr)
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
 
 
 def check_against_dataset(cfg, dataset) -> None:

@@ -151,7 +151,7 @@ class DeviceLoader:
     def _dataloader(self, pin_memory: bool) -> torch.utils.data.DataLoader:
         """The per-sample DataLoader the DataLoader-based strategies wrap."""
         cfg, workers = self.cfg, self.cfg.num_workers
-        check_host_fits(self.dataset.nbytes, f"loader={cfg.name} (the whole dataset in host memory)",
+        check_host_fits(self.dataset.per_sample_bytes, f"loader={cfg.name} (the whole dataset in host memory)",
                         lambda free: f"use loader=pinned_chunk with dataset.chunk_samples="
                                      f"{chunk_samples_for(self.dataset.sample_bytes, free)}, or a smaller dataset.num_samples")
         return torch.utils.data.DataLoader(

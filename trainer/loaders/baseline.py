@@ -10,6 +10,8 @@ from trainer.loaders.order import Shard
 class BaselineLoader(DeviceLoader):
     @dataclass
     class Config(LoaderConfig):
+        """DataLoader batches in pageable memory, blocking `.to(device)`: what most loops do."""
+
         name: str = "baseline"
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):

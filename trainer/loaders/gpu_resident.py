@@ -22,6 +22,8 @@ class GpuResidentLoader(DeviceLoader):
 
     @dataclass
     class Config(LoaderConfig):
+        """The whole dataset moved to GPU memory once; batches gathered there by index."""
+
         name: str = "gpu_resident"
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):

@@ -2,8 +2,8 @@
 stream – what Lightning and accelerate do today. The copy is async for the host but still
 queued in front of the step on the same stream, so it does not overlap compute.
 
-`loader.non_blocking=false` makes the copy blocking, as a plain `.cuda()` is (seed 002's
-question): the batch is pinned, but the host still waits for every copy."""
+`loader.non_blocking=false` makes the copy blocking, as a plain `.cuda()` is (the
+pin_memory_cifar question): the batch is pinned, but the host still waits for every copy."""
 
 from dataclasses import dataclass
 
@@ -17,8 +17,10 @@ class PinnedLoader(DeviceLoader):
 
     @dataclass
     class Config(LoaderConfig):
+        """DataLoader(pin_memory=True), `.to(device, non_blocking=True)` on the compute stream."""
+
         name: str = "pinned"
-        non_blocking: bool = True  # false: blocking `.to(device)` of the pinned batch (seeds 002 and 004)
+        non_blocking: bool = True  # false: blocking `.to(device)` of the pinned batch, as a plain `.cuda()`
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)

@@ -1,4 +1,4 @@
-"""`pinned_chunk`: seed 000's idea done properly.
+"""`pinned_chunk`: a big chunk pinned once, batches copied as contiguous slices of it.
 
 The data is loaded chunk by chunk straight into page-locked buffers allocated once (no
 `.pin_memory()` copy of a pageable tensor). Batches are contiguous slices of the chunk, so they
@@ -47,6 +47,8 @@ class PinnedChunkLoader(DeviceLoader):
 
     @dataclass
     class Config(LoaderConfig):
+        """Data loaded once into page-locked chunks; contiguous slices copied on a side stream."""
+
         name: str = "pinned_chunk"
         depth: int = 1  # slices copied ahead on the side stream
         shuffle_rows: bool = False  # also permute the rows of each chunk once, when it is loaded

@@ -50,7 +50,7 @@ class PinnedGatherLoader(DeviceLoader):
 
     @dataclass
     class Config(LoaderConfig):
-        """Rows gathered in `epoch_order` by worker threads into page-locked slots, copied on a side stream."""
+        """Per-sample shuffle at PCIe speed: threads gather each batch's rows into page-locked slots, copied on a side stream."""
 
         name: str = "pinned_gather"
         depth: int = 1  # batches copied ahead on the side stream

@@ -1,5 +1,5 @@
 """`prefetch`: pinned batches copied on a side CUDA stream `depth` batches ahead, so the copy
-of batch k+1 runs while the step on batch k computes (seed 001's request, done with streams)."""
+of batch k+1 runs while the step on batch k computes (PyTorch Lightning issue #1316's request, done with streams)."""
 
 from dataclasses import dataclass
 
@@ -15,6 +15,8 @@ class PrefetchLoader(DeviceLoader):
 
     @dataclass
     class Config(LoaderConfig):
+        """Pinned DataLoader batches copied on a side CUDA stream, `depth` batches ahead of the step."""
+
         name: str = "prefetch"
         depth: int = 1  # batches copied ahead on the side stream
 

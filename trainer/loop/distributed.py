@@ -51,7 +51,7 @@ from trainer.loop.verify import combine_ranks
 from trainer.tools.limits import h2d_burst
 
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
-PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "gpu_busy_fraction",
+PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",
             "median_step_ms", "timed_wall_s")
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
@@ -461,7 +461,7 @@ def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
     - `total_samples`, `pinned_host_mb`: added; `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
       `timed_wall_s`: the largest; the timed region: from the first start to the last end;
     - `final_loss` and the copy ceilings: rank 0's; every other figure: the mean over ranks;
-    - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, GPU busy, median step.
+    - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, stream span, median step.
     """
     out: Dict[str, float] = {}
     keys = [k for k in summaries[0] if all(k in s for s in summaries)]

@@ -18,8 +18,9 @@ def planned_steps(cfg, loader) -> int:
     return cfg.max_steps if cfg.max_steps > 0 else cfg.epochs * len(loader)
 
 
-def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) -> int:
-    """Run `planned_steps(cfg, loader)` steps over `loader`, epoch after epoch; returns steps done."""
+def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None, window=None) -> int:
+    """Run `planned_steps(cfg, loader)` steps over `loader`, epoch after epoch; returns steps done.
+    `window` (`trainer.tools.profiling.KernelWindow`): steps traced after the timed region."""
     # Read the config once: an OmegaConf attribute costs ~10 us, more than a small graphed step's budget.
     total, warmup = planned_steps(cfg, loader), cfg.warmup_steps
     bar = tqdm(total=total, file=sys.stderr, mininterval=0.5, unit="step", leave=False,
@@ -68,6 +69,8 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
             epoch += 1
         meter.end_timed()  # before the last loss check: the timed region is the steps alone
         watch.final()
+        if window is not None and window.enabled:
+            _trace_window(window, step_fn, loader, batches)
     finally:
         gc.unfreeze()
         bar.close()
@@ -76,11 +79,33 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None) 
     return step
 
 
+def _trace_window(window, step_fn, loader, batches) -> None:
+    """The kernel window's steps, after the timed region: the loader goes on where the run left
+    it (the rest of this pass, then more), its copies unmetered, and the step's counts of graph
+    replays and eager steps stay the run's own."""
+    def more():
+        if batches is not None:
+            yield from batches
+        while len(loader) > 0:
+            yield from iter(loader)
+    probe, loader.copy_probe = getattr(loader, "copy_probe", None), None
+    counts = {k: getattr(step_fn, k) for k in ("graph_replays", "eager_steps") if hasattr(step_fn, k)}
+    following = more()
+    try:
+        window.run(step_fn, following)
+    finally:
+        following.close()  # stops the workers of a pass the window began
+        loader.copy_probe = probe
+        for k, v in counts.items():
+            setattr(step_fn, k, v)
+
+
 class FeedbenchLoop:
     """`engine.loop=feedbench`: the loop above, over the engine's own step (eager or CUDA-graphed)."""
 
     Meter = StepMeter
 
     def train(self, parts) -> int:
-        parts.step = make_step(parts.model, parts.optimizer, parts.graphed)
-        return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler)
+        parts.step = make_step(parts.model, parts.optimizer, parts.graphed, parts.cfg.engine.precision)
+        return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler,
+                     parts.window)

@@ -175,8 +175,13 @@ def explain_faults(cfg) -> Iterator[None]:
     except Exception as e:
         text = str(e)
         if isinstance(e, MemoryError) or "DefaultCPUAllocator: can't allocate memory" in text:
-            # Host memory the up-front checks could not foresee (they count a lower bound).
+            # Host memory the up-front checks could not foresee (they count a lower bound, and a
+            # container's memory limit is not in /proc/meminfo).
             b = cfg.loader.batch_size
+            if _while_building(e):  # the dataset, or the loader's copy of it: the batch size is no help
+                shape = ", or a smaller dataset.shape" if "shape" in cfg.dataset else ""
+                raise RunFailed(f"out of host memory building dataset={cfg.dataset.name} for loader={cfg.loader.name}: "
+                                f"the dataset does not fit; set a smaller dataset.num_samples{shape}") from e
             raise RunFailed(f"out of host memory with loader={cfg.loader.name} loader.batch_size={b} "
                             f"model={cfg.model.name}: set loader.batch_size={max(1, b // 2)} or smaller, "
                             f"or a smaller dataset.num_samples") from e
@@ -194,6 +199,14 @@ def explain_faults(cfg) -> Iterator[None]:
         what = lines[0].rstrip(".") + (f" ({lines[-1]})" if len(lines) > 1 else "")
         raise RunFailed(f"a DataLoader worker failed with loader.num_workers={cfg.loader.num_workers}: {what}: "
                         f"rerun with loader.num_workers=0 to see the error in the main process") from e
+
+
+BUILDERS = ("build_dataset", "build_loader")  # what a run calls to allocate its data before the loop
+
+
+def _while_building(e: BaseException) -> bool:
+    """Whether `e` was raised while the run built its dataset or its loader."""
+    return any(frame.name in BUILDERS for frame in traceback.extract_tb(e.__traceback__))
 
 
 def _worker_connection_broke(e: BaseException) -> bool:

@@ -12,8 +12,8 @@ Who copies the batch to the device: every batch goes through Lightning's transfe
 - a strategy that yields batches already on the device (`prefetch`, `pinned_chunk`,
   `gpu_resident`, ...): `.to()` of a tensor already on that device returns the tensor itself, so
   nothing is copied twice;
-- a strategy whose copy is just that call after a DataLoader (`baseline`, `pinned`, the seed's
-  own `seed_iterable` loaders; see `DeviceLoader.host_batches`): Lightning gets the host batches
+- a strategy whose copy is just that call after a DataLoader (`baseline`, `pinned`, the DataLoader
+  variants of `iterable_chunks`; see `DeviceLoader.host_batches`): Lightning gets the host batches
   and makes the copy, as it does for any user's DataLoader. This is Lightning's default path.
 
 Where a step's time goes (the columns of steps.csv, one row per step):
@@ -45,11 +45,14 @@ import lightning as L
 import torch
 from tqdm import tqdm
 
+from trainer.errors import ConfigError
 from trainer.lightning import EpochPasses
 from trainer.loaders.stream import tensors
 from trainer.loop.faults import LossWatch
 from trainer.loop.engine import planned_steps
 from trainer.loop.meter import StepMeter
+
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}  # engine.precision -> Trainer's
 
 
 class LightningMeter(StepMeter):
@@ -262,6 +265,9 @@ def fit(model, optimizer, loader, meter: LightningMeter, cfg, checksum=None, pro
     """Run `planned_steps(cfg, loader)` steps over `loader` with Lightning's Trainer, as the
     feedbench loop does (`engine.max_steps`, when set, over as many epochs as it takes); `cfg` is
     the `engine` section. Returns the steps done."""
+    if cfg.precision == "fp16" and not meter.cuda:  # Lightning would run bf16 instead, and say so only in a warning
+        raise ConfigError("engine.loop=lightning runs engine.precision=fp16 only on a GPU: set engine.precision=bf16, "
+                          "or engine.loop=feedbench")
     out_dir = output_dir(tmp)
     total = planned_steps(cfg, loader)
     host = loader.host_batches()  # an unstarted generator (nothing has run yet), or None
@@ -286,7 +292,8 @@ def fit(model, optimizer, loader, meter: LightningMeter, cfg, checksum=None, pro
                 if meter.cuda else 1,
                 # the callback stops the fit after `total` steps; Lightning's own max_steps counts
                 # optimizer steps only (a parameter-free model has none)
-                max_epochs=-1 if cfg.max_steps else cfg.epochs, max_steps=-1, precision="32-true",
+                max_epochs=-1 if cfg.max_steps else cfg.epochs, max_steps=-1,
+                precision=LIGHTNING_PRECISION[cfg.precision],
                 logger=_csv_logger(out_dir) if lc.logger else False, log_every_n_steps=lc.log_every_n_steps,
                 enable_checkpointing=lc.checkpointing, enable_progress_bar=lc.progress_bar,
                 enable_model_summary=lc.model_summary, num_sanity_val_steps=0, limit_val_batches=0,

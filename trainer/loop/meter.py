@@ -7,7 +7,7 @@ stream that does the work, read only after the timed region), the loss log
 (`trainer.loop.losslog`) and one pure function from rows to summaries (`trainer.loop.summary`),
 which every loop uses. A step outside the sampled runs has no `compute_ms` (nan in `steps.csv`,
 not logged as a metric) and a copy outside them no `h2d_ms`; the GPU summaries
-(`gpu_busy_fraction`, `median_compute_ms`, `h2d_GBps`, `hidden_h2d_fraction`) are estimates from
+(`compute_stream_span_fraction`, `median_compute_ms`, `h2d_GBps`, `h2d_beside_step_fraction`) are estimates from
 that sample. Host timings (`data_wait_ms`, `step_ms`, the wall time) are taken at every step.
 
 What the meter does per step must cost the loop nothing measurable: no sync, no device read, and

@@ -37,7 +37,7 @@ from trainer.memory import check_model_fits
 from trainer.tools.environment import describe
 from trainer.tools.heap import steady_heap
 from trainer.tools.limits import h2d_bandwidth
-from trainer.tools.profiling import StepProfiler, copy_overlap
+from trainer.tools.profiling import KernelWindow, StepProfiler, copy_overlap
 from trainer.tracking.journal import JOURNAL, Journal, owner_tags, recover_dead_runs
 from trainer.tracking.run_summary import tell
 from trainer.tracking.runs import Tracker
@@ -65,6 +65,7 @@ class Parts:
     profiler: StepProfiler
     tmp: Path
     mem_base: int = 0  # GPU memory allocated before the run (`gpu_memory_baseline`)
+    window: Optional[KernelWindow] = None  # steps traced after the timed region (`engine.kernel_window_steps`)
     step: object = None  # the step the loop ran (its graph_replays / eager_steps), set by the loop
 
 
@@ -96,27 +97,29 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
     # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
-    with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
-        parts = build(cfg, job, device, ranks, tracker, on_timed_start)
-        journal = _journal(parts, tracker) if ranks.is_main else None
-        error = None
-        try:
-            with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
-                parts.loop.train(parts)
-        except BaseException as e:  # recorded first, raised after (it closes the run FAILED or KILLED)
-            error = e
-        finally:
-            stop.hold()  # from the end of the loop on, a signal waits until the records are written
-            if journal is not None:
-                journal.close()
-            _close(parts.loader, error)
-        summary, error = record(parts, tracker, ranks, error)
-        if journal is not None:  # the records are written: the journal was their fallback
+    journal = None
+    try:
+        with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
+            parts = build(cfg, job, device, ranks, tracker, on_timed_start)
+            journal = _journal(parts, tracker) if ranks.is_main else None
+            error = None
+            try:
+                with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
+                    parts.loop.train(parts)
+            except BaseException as e:  # recorded first, raised after (it closes the run FAILED or KILLED)
+                error = e
+            finally:
+                stop.hold()  # from the end of the loop on, a signal waits until the records are written
+                if journal is not None:
+                    journal.close()
+                _close(parts.loader, error)
+            summary, error = record(parts, tracker, ranks, error)
+            if error is not None:
+                raise error
+    finally:
+        if journal is not None:  # the run is closed with its records: the journal was their fallback
             journal.path.unlink(missing_ok=True)
-            tracker.client.delete_tag(tracker.run_id, "journal")
-        if error is not None:
-            raise error
-    tell(cfg, tracker.run_id)  # what it found, on stderr, now that the run is closed
+    tell(cfg, tracker.run_id)  # what it found, on stderr, now that the run is closed (none if it failed)
     return summary
 
 
@@ -124,8 +127,8 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
 def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tuple]:
     """The open run: stop signals, the MLflow run (rank 0), the ranks' guard and one-line faults."""
     tags = {"strategy": cfg.loader.name, "dataset": cfg.dataset.name, "model": cfg.model.name,
-            "device": device.type, "loop": cfg.engine.loop, "torch_version": torch.__version__,
-            "cuda_version": str(torch.version.cuda),
+            "device": device.type, "loop": cfg.engine.loop, "precision": cfg.engine.precision,
+            "torch_version": torch.__version__, "cuda_version": str(torch.version.cuda),
             "gpu_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "none", "steady_heap": heap,
             **ranks.tags(), **owner_tags()}
     with StopSignals(announce=ranks.is_main) as stop, ranks.tracker(lambda: Tracker(cfg, tags)) as tracker, \
@@ -151,7 +154,10 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start:
     tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
     if degraded:
         print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-    model = ranks.wrap(build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device))  # DDP
+    with ranks.agree():
+        model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
+        model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
+    model = ranks.wrap(model)  # DDP
     optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
     planned = planned_steps(cfg.engine, loader)
     warn_untimed(planned, cfg.engine.warmup_steps)
@@ -165,7 +171,17 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start:
     return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
                  graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
                  profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
-                 mem_base=mem_base)
+                 mem_base=mem_base, window=KernelWindow(cfg.engine.kernel_window_steps, device, tmp,
+                                                        off_because=_no_window(cfg, ranks)))
+
+
+def _no_window(cfg, ranks: Ranks) -> str:
+    """Why this run takes no kernel window whatever its device ("" when nothing forbids it)."""
+    if cfg.engine.loop != "feedbench":
+        return f"engine.loop={cfg.engine.loop}: the window's steps are the feedbench loop's"
+    if ranks.enabled:
+        return "several ranks: every rank would have to take the same extra steps"
+    return ""
 
 
 def _journal(parts: Parts, tracker) -> Optional[Journal]:
@@ -177,7 +193,7 @@ def _journal(parts: Parts, tracker) -> Optional[Journal]:
     uri = tracker.client.get_run(tracker.run_id).info.artifact_uri
     folder = Path(uri[len("file://"):] if uri.startswith("file://") else uri if "://" not in uri else parts.tmp)
     journal = Journal(folder / JOURNAL, parts.meter.journal_rows, every_s)
-    tracker.set_tags({"journal": str(journal.path)})
+    tracker.set_tags({"journal": str(journal.path)})  # where it was kept; the file goes once the run is closed
     return journal
 
 
@@ -215,6 +231,8 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
             summary.update(ranks.ceilings(lambda: ceilings(meter, parts.device), meter.batch_bytes))
             summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
     finally:
+        if error is None:
+            summary.update(_window_figures(parts.window, tracker))
         tracker.log_summary(summary)
         if verified is not None:
             tracker.set_tags(verified)
@@ -225,6 +243,19 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
             tracker.log_summary(overlap)
             summary.update(overlap)
     return summary, error
+
+
+def _window_figures(window: Optional[KernelWindow], tracker) -> dict:
+    """The kernel window's figures (nan when none was taken, and the tag `kernel_window` says why),
+    its trace an artifact."""
+    if window is None:
+        return {}
+    figures = window.figures()
+    tracker.set_tags({"kernel_window": f"{window.done} steps after the timed region" if window.enabled
+                      else f"not taken: {window.reason}"})
+    if window.enabled and window.trace.is_file():
+        tracker.log_artifact(window.trace)
+    return figures
 
 
 def _step_counts(step) -> dict:
@@ -279,5 +310,5 @@ def ceilings(meter: StepMeter, device: torch.device) -> dict:
     if device.type != "cuda" or not meter.batch_bytes:
         return {}
     nbytes = meter.batch_bytes
-    return {"h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
+    return {"h2d_batch_mb": nbytes / 2**20, "h2d_peak_pinned_GBps": h2d_bandwidth(nbytes, pinned=True, device=device),
             "h2d_peak_pageable_GBps": h2d_bandwidth(nbytes, pinned=False, device=device)}

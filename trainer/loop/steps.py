@@ -1,5 +1,9 @@
 """The training step: eager, as a plain PyTorch loop writes it, or captured once in a CUDA graph and replayed.
 
+`engine.precision` bf16 or fp16 runs forward+loss under autocast (the weights, their gradients and the
+optimizer stay float32); fp16 adds a gradient scaler, as PyTorch's AMP recipe does. A graphed step
+captures the autocast region inside its graph; fp16 it refuses (see `GraphedStep`).
+
 Both kinds count what they ran, for the run's record: `graph_replays` (steps that replayed the
 graph) and `eager_steps` (steps that ran eagerly: every step of an `EagerStep`; in a
 `GraphedStep`, batches of another shape than the one it captured).
@@ -9,36 +13,60 @@ from __future__ import annotations
 
 import torch
 
+from trainer.config import FP16_GRAPH_REFUSED
+from trainer.errors import ConfigError
+
 # A graphed step's losses are written into a device ring this long, one slot per replay: a
 # returned loss stays its step's for this many replays, more than the meter holds one
 # (`trainer.loop.meter.LOSS_BATCH`, 32 steps).
 LOSS_SLOTS = 64
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # engine.precision -> autocast's dtype
 
 
-def make_step(model, optimizer, graphed: bool):
+def make_step(model, optimizer, graphed: bool, precision: str = "fp32"):
     """Return `step(x, y) -> loss` for the engine loop."""
-    return GraphedStep(model, optimizer) if graphed else EagerStep(model, optimizer)
+    return GraphedStep(model, optimizer, precision=precision) if graphed else EagerStep(model, optimizer, precision)
 
 
 class EagerStep:
-    """zero_grad, forward+loss, backward, optimizer step: the four lines of a plain PyTorch loop."""
+    """zero_grad, forward+loss, backward, optimizer step: the four lines of a plain PyTorch loop;
+    under bf16 or fp16, forward+loss in autocast, and for fp16 the loss scaled by a `GradScaler`."""
 
     graph_replays = 0  # an eager step never replays a graph
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, precision: str = "fp32"):
         self.model, self.optimizer = model, optimizer
         self.eager_steps = 0
+        self.dtype = AUTOCAST[precision]
+        self.scaler = None
+        if precision == "fp16" and optimizer is not None:
+            self.scaler = torch.amp.GradScaler(next(model.parameters()).device.type)
+
+    def forward(self, x, y, cache: bool = True):
+        """`model.loss(x, y)`, in autocast unless fp32. `cache=False`: autocast keeps no cast weights
+        between calls, as a CUDA graph's capture needs (its casts then run in every replay)."""
+        if self.dtype is None:
+            return self.model.loss(x, y)
+        with torch.autocast(x.device.type, dtype=self.dtype, cache_enabled=cache):
+            return self.model.loss(x, y)
 
     def __call__(self, x, y):
         self.eager_steps += 1
         if self.optimizer is None:  # a model without parameters (noop): forward only
-            return self.model.loss(x, y)
+            return self.forward(x, y)
         # PyTorch's default (set_to_none=True): backward writes fresh gradients instead of zeroing
         # the old ones and adding into them, which costs a kernel per parameter and its memory traffic.
         self.optimizer.zero_grad()
-        loss = self.model.loss(x, y)
-        loss.backward()
-        self.optimizer.step()
+        loss = self.forward(x, y)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            # Skips the update when a gradient overflowed: it reads that flag from the device (a sync
+            # per step, as in any fp16 loop with a GradScaler), then adapts the scale.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         return loss
 
 
@@ -51,11 +79,17 @@ class GraphedStep:
     counted in `eager_steps`. The graph is captured as PyTorch's CUDA-graph recipe does it, and
     writes each step's loss into a slot of a small device ring (`LOSS_SLOTS`), so that per step
     the host issues the input copies and the replay, and nothing else.
+
+    Under bf16 the autocast region is captured inside the graph, with autocast's weight cache off
+    (PyTorch's rule for capture). fp16 is refused: its GradScaler decides on the host, after reading
+    the device, whether each step is skipped, a branch a replayed graph cannot take.
     """
 
-    def __init__(self, model, optimizer, warmup_iters: int = 3):
+    def __init__(self, model, optimizer, warmup_iters: int = 3, precision: str = "fp32"):
+        if precision == "fp16":
+            raise ConfigError(FP16_GRAPH_REFUSED)
         self.model, self.optimizer, self.warmup_iters = model, optimizer, warmup_iters
-        self.eager = EagerStep(model, optimizer)  # the warm-up before capture, and batches of another shape
+        self.eager = EagerStep(model, optimizer, precision)  # the warm-up before capture, and batches of another shape
         self.graph = None
         self.graph_replays = 0
         self.eager_steps = 0
@@ -82,7 +116,7 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: loader threads (DataLoader pinning, chunk loading) may touch CUDA meanwhile.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            loss = self.model.loss(self.static_x, self.static_y)
+            loss = self.eager.forward(self.static_x, self.static_y, cache=False)
             if self.optimizer is not None:
                 loss.backward()
                 self.optimizer.step()

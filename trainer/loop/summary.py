@@ -2,9 +2,16 @@
 
 A row is one step, as in `steps.csv` (`trainer.loop.meter.STEP_COLUMNS`), plus the meter's
 private `_bytes` (bytes of the step's batch copy, when that copy was timed on the GPU) and `_busy`
-(`(start, end)` of the step's GPU work in ms on the meter's reference clock, or None when not
-timed). A GPU time that was not taken is nan: the GPU figures are taken over the steps that
-have one, so with `engine.gpu_timing_every=N` they are estimates from a sample of the steps.
+(`(start, end)` of the step's span on the compute stream in ms on the meter's reference clock, or
+None when not timed). A GPU time that was not taken is nan: the GPU figures are taken over the
+steps that have one, so with `engine.gpu_timing_every=N` they are estimates from a sample of the
+steps.
+
+The GPU figures here come from CUDA events around the step on the compute stream: they span the
+step from its first launch to its last, so for an eager step whose host launches slower than the
+device runs them, they include the host's gaps between launches. Their names say so
+(`compute_stream_span_fraction`, `h2d_beside_step_fraction`); what the kernels themselves did is
+measured by the kernel window (`trainer.tools.profiling.kernel_figures`).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0
               copy_spans: Optional[Sequence[Tuple[float, float]]] = ()) -> Dict[str, float]:
     """Figures over the timed steps `rows`, which took `wall_s` seconds and cost the process
     `faults` minor page faults and `cpu_s` CPU seconds. `copy_spans`: `(start, end)` of each timed
-    copy on the reference clock of `_busy` (None: unknown, `hidden_h2d_fraction` is nan).
+    copy on the reference clock of `_busy` (None: unknown, `h2d_beside_step_fraction` is nan).
     Rows with a `lightning_ms` column (the Lightning loop) add `lightning_fraction` and its median."""
     wall_ms = max(wall_s * 1e3, 1e-9)
     steps = max(len(rows), 1)
@@ -31,9 +38,9 @@ def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0
     summary = {
         "throughput_samples_per_s": total("samples") / (wall_ms / 1e3),
         "data_wait_fraction": total("data_wait_ms") / wall_ms,
-        "gpu_busy_fraction": busy_fraction(rows, wall_ms),
+        "compute_stream_span_fraction": stream_span_fraction(rows, wall_ms),
         "h2d_GBps": h2d_rate(rows),
-        "hidden_h2d_fraction": math.nan if copy_spans is None else hidden_fraction(rows, copy_spans),
+        "h2d_beside_step_fraction": math.nan if copy_spans is None else beside_step_fraction(rows, copy_spans),
         "host_page_faults_per_step": faults / steps,
         "host_cpu_ms_per_step": cpu_s * 1e3 / steps,
         "timed_wall_s": wall_s,
@@ -73,9 +80,10 @@ def median_of_timed(rows: List[dict], key: str) -> float:
     return statistics.median(values) if values else (math.nan if rows else 0.0)
 
 
-def busy_fraction(rows: List[dict], wall_ms: float) -> float:
-    """Share of the wall time the GPU spent in steps: the mean `compute_ms` of the steps timed on
-    the GPU, for every step (all of them, when every step was timed)."""
+def stream_span_fraction(rows: List[dict], wall_ms: float) -> float:
+    """Share of the wall time the compute stream spent between a step's first and last launch:
+    the mean `compute_ms` of the steps timed on the GPU, for every step (all of them, when every
+    step was timed). Not the device's busy time: an eager step's host gaps count too."""
     values = [r["compute_ms"] for r in rows if not math.isnan(r["compute_ms"])]
     if not values:
         return math.nan if rows else 0.0
@@ -93,8 +101,9 @@ def h2d_rate(rows: List[dict]) -> float:
     return math.nan if len(timed) < len(rows) else 0.0
 
 
-def hidden_fraction(rows: List[dict], copy_spans: Sequence[Tuple[float, float]]) -> float:
-    """Share of copy time during which the compute stream was busy (from event timestamps), over
+def beside_step_fraction(rows: List[dict], copy_spans: Sequence[Tuple[float, float]]) -> float:
+    """Share of copy time that fell within a step's span on the compute stream (from event
+    timestamps), which is not time a kernel ran (`h2d_overlapped_by_kernels_fraction` is), over
     the copies made while timed steps ran: inside a run of steps timed on the GPU, from the first
     step's start to the last one's end (copies outside a run ran beside steps nobody timed)."""
     runs: List[list] = []  # [first start, last end] of each run of consecutive GPU-timed steps

@@ -35,7 +35,7 @@ It prints each repeat's ratio (engine ÷ reference: 1.00 means the engine adds n
 variant, the medians and a 95% interval of the ratio (whether the measurements tell it apart
 from 1: over the pairs' ratios, or over adjacent turns' ratios), with the host's minor page
 faults and CPU time per step on each side. Any override works (`model=noop`,
-`engine.device=cpu`, `experiment=bench_seed0` for seed 000's workload).
+`engine.device=cpu`, `experiment=bench_strategies` for the reference workload).
 """
 
 from __future__ import annotations

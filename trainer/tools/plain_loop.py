@@ -159,6 +159,10 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict
     one (`step`: engine | hand) and return its figures; `clock_file`: also save when each timed
     step began and ended (`.npy`, host monotonic clock: one more entry than steps)."""
     resolve(cfg)  # as run() does: no interpolation is parsed again inside the loop
+    precision = cfg.engine.get("precision", "fp32")  # configs saved before engine.precision existed are fp32
+    if step == "hand" and precision != "fp32":
+        raise ConfigError(f"the hand-written step runs in fp32 (got engine.precision={precision}): use the engine's "
+                          f"step (--step engine), which runs in the run's precision")
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if cfg.engine.get("steady_heap", True):
@@ -178,7 +182,7 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict
         if warmup == 0:
             clock.start_timed()
         if step == "engine":
-            engine_loop(loader, make_step(model, optimizer, graphed), clock)
+            engine_loop(loader, make_step(model, optimizer, graphed, precision), clock)
         elif graphed:
             hand_graph_loop(loader, model, optimizer, clock)
         else:

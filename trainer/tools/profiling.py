@@ -1,18 +1,26 @@
-"""`engine.profile=true`: a torch.profiler trace of the last warm-up steps, and what it says about
-the copies.
+"""Profiler traces and what they say.
 
-Open the trace (an MLflow artifact) in https://ui.perfetto.dev or chrome://tracing to see whether
-the host->device copies on the side stream overlap the kernels of the step; `copy_overlap` reads
-the same answer out of it as two metrics.
+`engine.profile=true`: a torch.profiler trace of the last warm-up steps, and whether its
+host->device copies overlapped kernels (`copy_overlap`). Open the trace (an MLflow artifact) in
+https://ui.perfetto.dev or chrome://tracing.
+
+`engine.kernel_window_steps=N` (`KernelWindow`): after the timed region, N more steps under a
+CUDA-only profiler, and what the kernels themselves did in them (`kernel_figures`): the honest
+device figures that CUDA events around a step cannot give, since an eager, launch-bound step's
+events also span the host's gaps between its launches.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
+import math
 import os
+import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
@@ -72,11 +80,190 @@ class StepProfiler:
 
 
 Span = Tuple[float, float]
+# The figures of a kernel window, nan when it was not taken (`KernelWindow.reason` says why).
+WINDOW_FIGURES = ("gpu_kernel_busy_fraction", "gpu_kernel_ms_per_step", "launch_gap_ms",
+                  "h2d_overlapped_by_kernels_fraction", "kernel_window_ms_per_step")
+WINDOW_TRACE = "kernel_window.json"
+
+
+def cupti_detaches() -> bool:
+    """Whether this build's CUDA lets CUPTI be detached when a trace ends (`TEARDOWN_CUPTI=1`):
+    from CUDA 12.6 on. Before it, detaching crashes a process that replays CUDA graphs
+    (pytorch#112507), and CUPTI left attached slows every later launch of the process by 10-20%
+    (pytorch#144455)."""
+    version = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2] if v.isdigit())
+    return version >= (12, 6)
+
+
+class KernelWindow:
+    """`engine.kernel_window_steps=N`: after the timed region, one more step and then N steps under
+    a CUDA-only profiler (kernels, copies and CUDA runtime calls; no CPU operator is recorded,
+    which would slow the very launches it measures). `kernel_figures` reads the trace.
+
+    Why after the timed region rather than among its steps: attaching CUPTI costs the host up to
+    seconds, its buffers and the trace's processing reshape the host heap that the timed steps'
+    page faults depend on (`trainer.loop.meter`), and CUPTI left attached slows every later
+    launch. After the timed region nothing timed follows, and CUPTI is detached when the trace
+    ends, so a sweep's next job in this process runs as if no window had been. The window's
+    steps continue the run's loader where the timed region left it; they are not metered, not
+    checksummed and not counted in `total_steps`.
+
+    The device is idle when the window begins and when it ends (a sync each side), and the
+    loop thread marks every step boundary in the trace with `cudaStreamQuery` on the compute
+    stream (a runtime call that does no device work), so each kernel can be given to the step
+    that launched it. `reason`: why there are no figures ("" when the window was taken).
+    """
+
+    def __init__(self, steps: int, device: torch.device, out_dir: Path, off_because: str = ""):
+        self.steps, self.device = steps, device
+        self.trace = Path(out_dir) / WINDOW_TRACE
+        self.wall_s = math.nan
+        self.done = 0  # steps traced
+        self.reason = off_because or (_cannot_trace(device) if steps > 0 else "off (engine.kernel_window_steps=0)")
+
+    @property
+    def enabled(self) -> bool:
+        return not self.reason
+
+    def run(self, step_fn: Callable, batches: Iterable) -> None:
+        """Take the window over the next `steps` + 1 `batches`. A failure never fails the run:
+        its figures are then nan and `reason` says why."""
+        if not self.enabled:
+            return
+        try:
+            self._record(step_fn, iter(batches))
+        except Exception as e:
+            self.done, self.reason = 0, f"failed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+    def _record(self, step_fn: Callable, batches) -> None:
+        first = next(batches, None)
+        if first is None:
+            self.reason = "no batch left to trace"
+            return
+        stream = torch.cuda.current_stream(self.device)
+        os.environ.setdefault("TEARDOWN_CUPTI", "1")  # detach CUPTI when the trace ends (`cupti_detaches`)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step_fn(*first)  # traced, not counted: the first launches after CUPTI attaches pay for it
+            del first
+            torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            stream.query()  # marks where the window begins (the device is idle)
+            for x, y in itertools.islice(batches, self.steps):
+                step_fn(x, y)
+                stream.query()  # marks the end of this step's launches
+                self.done += 1
+            torch.cuda.synchronize(self.device)  # every kernel of the window has ended
+            self.wall_s = time.perf_counter() - start
+        prof.export_chrome_trace(str(self.trace))
+
+    def figures(self) -> Dict[str, float]:
+        """`WINDOW_FIGURES` of the trace; nan when the window was not taken."""
+        if self.enabled and self.done and self.trace.is_file():
+            try:
+                return kernel_figures(self.trace, self.done, self.wall_s)
+            except (ValueError, KeyError, TypeError) as e:  # a trace this reader does not understand
+                self.reason = f"failed: its trace could not be read ({type(e).__name__}: {e})"
+        return dict.fromkeys(WINDOW_FIGURES, math.nan)
+
+
+def _cannot_trace(device: torch.device) -> str:
+    """Why this process cannot take a kernel window ("" when it can)."""
+    if device.type != "cuda":
+        return "no CUDA: a CPU run has no kernels to trace"
+    if not torch.autograd.kineto_available():
+        return "this PyTorch was built without Kineto, the profiler that traces kernels"
+    if not cupti_detaches():
+        return (f"CUDA {torch.version.cuda} < 12.6: CUPTI cannot be detached after a trace there, and left "
+                f"attached it slows every later step of this process")
+    return ""
+
+
+def kernel_figures(trace: Path, steps: int, wall_s: float) -> Dict[str, float]:
+    """What the kernels did in a `KernelWindow` trace of `steps` steps that took `wall_s` seconds.
+
+    - `gpu_kernel_busy_fraction`: the union of the kernels' intervals (any stream) over the
+      window's wall time: how much of the time the device computed;
+    - `gpu_kernel_ms_per_step`: that union per step, the device time the step needs;
+    - `launch_gap_ms`: per step, the time between the first and the last kernel the step
+      launched during which none ran: the device waiting for the host's next launch (nan when
+      the trace lacks the step markers);
+    - `h2d_overlapped_by_kernels_fraction`: the share of the host->device copies' time during
+      which a kernel ran on their device (nan: no copy in the window);
+    - `kernel_window_ms_per_step`: the window's own wall time per step; against `ms_per_step`,
+      what tracing cost the steps.
+    """
+    events = _complete_events(trace)
+    markers = _step_markers(events, steps + 1)
+    # Before the first marker the device only finished the untraced step (a sync came between).
+    start = markers[0] if markers else -math.inf
+    launched_at = {e["args"]["correlation"]: e["ts"] for e in events
+                   if e["cat"] in ("cuda_runtime", "cuda_driver") and "correlation" in e["args"]}
+    kernels: Dict[object, List[Span]] = defaultdict(list)  # by device
+    copies: Dict[object, List[Span]] = defaultdict(list)
+    on_device = []  # (span, when launched) of the work that keeps the device's engines busy
+    for e in events:
+        if e["ts"] < start:
+            continue
+        span = (e["ts"], e["ts"] + e["dur"])
+        if e["name"].startswith("Memcpy HtoD"):
+            copies[e["pid"]].append(span)
+        # Copies within the device (a graphed step's input copy) and memsets fill a step too;
+        # a copy over PCIe does not: the device may idle while one runs on a side stream.
+        if e["cat"] == "kernel" or e["cat"] == "gpu_memset" or e["name"].startswith("Memcpy DtoD"):
+            on_device.append((span, launched_at.get(e["args"].get("correlation"))))
+            if e["cat"] == "kernel":
+                kernels[e["pid"]].append(span)
+    busy_us = _length(_union([span for spans in kernels.values() for span in spans]))
+    hidden, total = _overlap(copies, kernels)
+    return {"gpu_kernel_busy_fraction": min(1.0, busy_us / (wall_s * 1e6)) if wall_s > 0 else math.nan,
+            "gpu_kernel_ms_per_step": busy_us / 1e3 / steps,
+            "launch_gap_ms": _launch_gaps_us(on_device, markers, steps) / 1e3 / steps if markers else math.nan,
+            "h2d_overlapped_by_kernels_fraction": hidden / total if total > 0 else math.nan,
+            "kernel_window_ms_per_step": wall_s * 1e3 / steps}
+
+
+def _step_markers(events: List[dict], count: int) -> List[float]:
+    """The times of the `count` step markers (`cudaStreamQuery`) of the thread that made them,
+    in order; [] when no thread made exactly that many (another caller's queries mixed in)."""
+    by_thread: Dict[object, List[float]] = defaultdict(list)
+    for e in events:
+        if e["cat"] == "cuda_runtime" and e["name"].startswith("cudaStreamQuery"):
+            by_thread[(e["pid"], e["tid"])].append(e["ts"])
+    found = [sorted(ts) for ts in by_thread.values() if len(ts) == count]
+    return found[0] if len(found) == 1 else []
+
+
+def _launch_gaps_us(on_device: List[tuple], markers: List[float], steps: int) -> float:
+    """Sum over the steps of the idle time between the first and the last device work each
+    launched (`(span, launch time)`; a launch time of None: not known, left out)."""
+    per_step: Dict[int, List[Span]] = defaultdict(list)
+    for span, launched in on_device:
+        if launched is None:
+            continue
+        i = bisect.bisect_right(markers, launched) - 1  # launched after marker i, before marker i + 1
+        if 0 <= i < steps:
+            per_step[i].append(span)
+    total = 0.0
+    for spans in per_step.values():
+        merged = _union(spans)
+        total += (merged[-1][1] - merged[0][0]) - _length(merged)
+    return total
+
+
+def _complete_events(trace: Path) -> List[dict]:
+    """The trace's complete events ("ph": "X"), with `cat` lower-cased and `args` always there."""
+    out = []
+    for e in json.loads(Path(trace).read_text()).get("traceEvents", []):
+        if e.get("ph") != "X" or "dur" not in e or "ts" not in e:
+            continue
+        out.append({"name": str(e.get("name", "")), "cat": str(e.get("cat", "")).lower(), "ts": float(e["ts"]),
+                    "dur": float(e["dur"]), "pid": e.get("pid"), "tid": e.get("tid"), "args": e.get("args") or {}})
+    return out
 
 
 def copy_overlap(trace: Path) -> Dict[str, float]:
-    """Did the host->device copies of a chrome trace run while the GPU computed? (Seed 001's
-    question: "have you checked asynchronous transfer actually occurs?")
+    """Did the host->device copies of a chrome trace run while the GPU computed? (PyTorch
+    Lightning issue #1316's question: "have you checked asynchronous transfer actually occurs?")
 
     `trace_h2d_copies`: the HtoD memcpy events in the trace. `trace_h2d_overlap_fraction` (when
     there is at least one): the share of their GPU time during which a kernel was running on the
@@ -84,27 +271,30 @@ def copy_overlap(trace: Path) -> Dict[str, float]:
     kernels, so copies made in line with the step give ~0; copies on a side stream that run
     behind the step give close to 1.
     """
-    events = json.loads(Path(trace).read_text()).get("traceEvents", [])
     copies: Dict[object, List[Span]] = defaultdict(list)
     kernels: Dict[object, List[Span]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        if str(e.get("name", "")).startswith("Memcpy HtoD"):
-            copies[e.get("pid")].append(span)
-        elif str(e.get("cat", "")).lower() == "kernel":
-            kernels[e.get("pid")].append(span)
+    for e in _complete_events(trace):
+        span = (e["ts"], e["ts"] + e["dur"])
+        if e["name"].startswith("Memcpy HtoD"):
+            copies[e["pid"]].append(span)
+        elif e["cat"] == "kernel":
+            kernels[e["pid"]].append(span)
+    hidden, total = _overlap(copies, kernels)
+    result = {"trace_h2d_copies": float(sum(len(s) for s in copies.values()))}
+    if total > 0:
+        result["trace_h2d_overlap_fraction"] = hidden / total
+    return result
+
+
+def _overlap(copies: Dict[object, List[Span]], kernels: Dict[object, List[Span]]) -> Tuple[float, float]:
+    """(time during which a kernel of the same device ran, total time) of the copies."""
     total = hidden = 0.0
     for device, spans in copies.items():
         busy = _union(kernels.get(device, []))
         for a, b in spans:
             total += b - a
             hidden += sum(max(0.0, min(b, d) - max(a, c)) for c, d in busy if c < b and d > a)
-    result = {"trace_h2d_copies": float(sum(len(s) for s in copies.values()))}
-    if total > 0:
-        result["trace_h2d_overlap_fraction"] = hidden / total
-    return result
+    return hidden, total
 
 
 def _union(spans: List[Span]) -> List[Span]:
@@ -116,3 +306,7 @@ def _union(spans: List[Span]) -> List[Span]:
         else:
             merged.append([a, b])
     return [(a, b) for a, b in merged]
+
+
+def _length(merged: List[Span]) -> float:
+    return sum(b - a for a, b in merged)

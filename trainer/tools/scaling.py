@@ -9,7 +9,7 @@ an experiment and lines up every job (strategy, model) across them:
 - *copy GB/s*: the ranks' copy bandwidths added (`aggregate_h2d_GBps`); *× 1 GPU* likewise;
 - *ceiling GB/s*: every rank copying pinned batches at once (`aggregate_h2d_peak_pinned_GBps`;
   on one GPU: `h2d_peak_pinned_GBps`), and *of ceiling* the copy bandwidth over it;
-- *data wait* and *GPU busy*: means over the ranks; *overlap*: jobs timed at the same time on a
+- *data wait* and *stream span* (`compute_stream_span_fraction`): means over the ranks; *overlap*: jobs timed at the same time on a
   shared device (their figures are not to be trusted).
 """
 
@@ -27,7 +27,7 @@ from trainer.errors import ConfigError
 from trainer.tracking import report
 
 COLUMNS = ("loader", "model", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
-           "ceiling GB/s", "of ceiling", "data wait", "GPU busy", "overlap")
+           "ceiling GB/s", "of ceiling", "data wait", "stream span", "overlap")
 NUMERIC = set(COLUMNS[4:13])
 
 
@@ -70,7 +70,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run]) -> List[Dict[str,
                          "samples/s": thr, "× 1 GPU": speedup, "efficiency": speedup / size if speedup else None,
                          "copy GB/s": copy, "copy × 1 GPU": copy / base_copy if copy and base_copy else None,
                          "ceiling GB/s": ceiling, "of ceiling": copy / ceiling if copy and ceiling else None,
-                         "data wait": m.get("data_wait_fraction"), "GPU busy": m.get("gpu_busy_fraction"),
+                         "data wait": m.get("data_wait_fraction"), "stream span": m.get("compute_stream_span_fraction"),
                          "overlap": "yes" if overlaps.get(r.info.run_id) else ""})
     return rows
 

@@ -115,7 +115,7 @@ def main(argv=None) -> None:
     p.add_argument("--a", action="append", default=[], metavar="OVERRIDE", help="side a's own override (repeatable)")
     p.add_argument("--b", action="append", default=[], metavar="OVERRIDE", help="side b's own override (repeatable)")
     add_comparison_args(p, repeats=2, what="comparisons per variant (the first side alternates)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides both sides share, e.g. experiment=bench_seed0")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides both sides share, e.g. experiment=bench_strategies")
     args = p.parse_args(argv)
     if not args.a and not args.b:
         raise SystemExit("error: --a and --b give nothing to compare: e.g. --a loader=pinned_gather --b loader=pinned_chunk")

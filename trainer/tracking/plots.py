@@ -139,11 +139,11 @@ def _throughput_panel(ax, rows: List[dict], label_keys: Sequence[str]) -> None:
 
 
 def _time_panel(ax, rows: List[dict]) -> None:
-    """Data wait and GPU busy shares per job (no GPU bar for a job that ran on the CPU)."""
+    """Data wait and compute-stream span shares per job (no GPU bar for a job that ran on the CPU)."""
     ypos = list(range(len(rows)))[::-1]
     height = 0.38
     ax.barh([y + height / 2 for y in ypos], [_value(r, "data_wait_fraction") for r in rows], height,
             color=COLOURS["data_wait_ms"], label="data_wait_fraction")
-    ax.barh([y - height / 2 for y in ypos], [_value(r, "gpu_busy_fraction") for r in rows], height,
-            color=COLOURS["compute_ms"], label="gpu_busy_fraction")
+    ax.barh([y - height / 2 for y in ypos], [_value(r, "compute_stream_span_fraction") for r in rows], height,
+            color=COLOURS["compute_ms"], label="compute_stream_span_fraction")
     ax.set_xlim(0, 1.05)

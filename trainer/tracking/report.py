@@ -27,12 +27,14 @@ from mlflow.entities import Run
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from trainer.config import OBJECTIVES
 from trainer.errors import ConfigError
 from trainer.tracking.run_summary import describe
-from trainer.tracking.store import default_uri
+from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
 
-METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95", "gpu_busy_fraction",
-           "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95",
+           "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step",
+           "host_cpu_ms_per_step")
 # Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
@@ -40,27 +42,25 @@ PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 PEAK = "h2d_peak_pinned_GBps"
 FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
            "ms_per_step_ci95": "±{:.3f}",
-           "gpu_busy_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
+           "compute_stream_span_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
            "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}", PEAK: "{:.2f}"}
 BASELINE = "baseline"
 STRATEGY = "loader.name"
-GPU_ONLY = ("gpu_busy_fraction", "h2d_GBps", PEAK)  # nothing to measure on the CPU: blank there
+GPU_ONLY = ("compute_stream_span_fraction", "h2d_GBps", PEAK)  # nothing to measure on the CPU: blank there
 WITHIN_NOISE = "~"  # after a speedup whose 95% interval includes 1
 LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval includes 1, so these runs do not show it",
-          "cpu": "blank gpu_busy_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
-          "all_cpu": "no gpu_busy_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
+          "cpu": "blank compute_stream_span_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
+          "all_cpu": "no compute_stream_span_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
           "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it"}
 
 
 # ----------------------------------------------------------------------------- reading MLflow
 def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
-    """A client on `uri` (default: the project's sqlite DB); a missing sqlite file is an error,
-    not silently created empty."""
+    """A client on `uri` (default: the project's sqlite DB), checked as the trainer checks a store;
+    a missing sqlite file is an error, not silently created empty."""
     uri = uri or default_uri()
-    if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).is_file():
-        raise ConfigError(f"no MLflow database at {uri[len('sqlite:///'):]}: run a sweep first "
-                          "(python -m trainer -m loader=baseline,pinned) or pass --uri")
+    check_store_to_read(uri)
     return MlflowClient(uri), uri
 
 
@@ -287,9 +287,73 @@ def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
     return "\n".join(lines + ([""] + [f"{note}  " for note in notes] if notes else [])) + "\n"
 
 
+def best_trial(runs: Sequence[Run]) -> Optional[Dict[str, object]]:
+    """The finished job with the best objective (`engine.objective`, better as `OBJECTIVES` says:
+    what a tuner optimised), and the settings that tell it from the other jobs; None when no job
+    finished with it."""
+    objective = next((r.data.params["engine.objective"] for r in runs if "engine.objective" in r.data.params),
+                     "throughput_samples_per_s")
+    done = [r for r in runs if r.info.status == "FINISHED" and math.isfinite(r.data.metrics.get(objective, math.nan))]
+    if not done:
+        return None
+    sign = 1.0 if OBJECTIVES.get(objective) == "maximize" else -1.0
+    best = max(done, key=lambda r: sign * r.data.metrics[objective])
+    # A setting counts when the jobs differ in it, a key a strategy lacks (loader.depth) included.
+    keys = sorted({k for r in runs for k in r.data.params if not k.startswith("tracking.")})
+    varying = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1 and k in best.data.params]
+    overrides = [f"{column(k)}={best.data.params[k]}" for k in sorted(varying, key=lambda k: (k != STRATEGY, k))]
+    return {"job": best.data.tags.get("sweep.job", str(list(runs).index(best))), "run_id": best.info.run_id, "objective": objective,
+            "value": best.data.metrics[objective], "overrides": overrides}
+
+
+def best_line(best: Dict[str, object]) -> str:
+    """`best: job 3 (run ...): throughput_samples_per_s=1234.5 with loader=prefetch loader.depth=2`."""
+    return (f"best: job {best['job']} (run {best['run_id']}): {best['objective']}={best['value']:.6g} with "
+            f"{' '.join(best['overrides']) or 'the same settings as the others'}")
+
+
 def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str, object]]]:
     """The comparison of one sweep (the parent run and its children)."""
     return comparison_rows(parent, children(client, parent))
+
+
+# ----------------------------------------------------------------------------- one run
+def run_items(run: Run) -> List[Tuple[str, str, str]]:
+    """(section, key, value) of a run: its status (and error), its summary metrics, its params.
+    The per-step series' last values are left out: they are one step's, not the run's."""
+    tags = run.data.tags
+    items = [("status", "status", run.info.status)]
+    items += [("status", k, tags[k]) for k in ("error", "failed_step", "interrupted_by") if k in tags]
+    items += [("metric", k, _cell(k, v, exact=False)) for k, v in sorted(run.data.metrics.items())
+              if k not in PER_STEP_METRICS]
+    return items + [("param", k, v) for k, v in sorted(run.data.params.items())]
+
+
+def format_run(run: Run) -> str:
+    """A run as aligned `key  value` lines: status, summary metrics, then params."""
+    items = run_items(run)
+    width = max(len(k) for _, k, _ in items)
+    lines, section = [], None
+    for part, key, value in items:
+        if part != section:
+            lines.append({"status": "", "metric": "summary metrics:", "param": "params:"}[part])
+            section = part
+        lines.append(f"  {key.ljust(width)}  {value}")
+    return "\n".join(line for line in lines if line)
+
+
+def run_csv(run: Run) -> str:
+    out = io.StringIO()
+    w = csv.writer(out, lineterminator="\n")
+    w.writerow(["section", "key", "value"])
+    for part, key, value in run_items(run):
+        w.writerow([part, key, repr(run.data.metrics[key]) if part == "metric" else value])  # full precision
+    return out.getvalue()
+
+
+def run_markdown(run: Run) -> str:
+    rows = [f"| {part} | {key} | {value} |" for part, key, value in run_items(run)]
+    return "\n".join(["| section | key | value |", "|---|---|---|", *rows]) + "\n"
 
 
 # ----------------------------------------------------------------------------- command line
@@ -311,15 +375,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if parent.data.tags.get("sweep") != "true":  # a run of its own: shown as a run
-        print(describe(parent, uri))
-        return 0
+    single = parent.data.tags.get("sweep") != "true"  # --run of a run of its own, not of a sweep
     if args.plain:
         from trainer.tools.plain_loop import annotate  # runs the loaders: only loaded when asked for
-        annotate(client, children(client, parent), log=lambda line: print(line, file=sys.stderr))
+        annotate(client, [parent] if single else children(client, parent), log=lambda line: print(line, file=sys.stderr))
+    if single:
+        run = client.get_run(parent.info.run_id)  # with what --plain logged
+        print(describe(run, uri))  # what it found, as the run printed it when it ended
+        print(f"\nrun {run.info.run_name!r}, all it recorded:")
+        print(format_run(run))
+        if args.csv:
+            args.csv.write_text(run_csv(run))
+        if args.markdown:
+            args.markdown.write_text(run_markdown(run))
+        return 0
     keys, rows = compare(client, parent)
     print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
     print(format_table(keys, rows) if rows else "(no child runs)")
+    best = best_trial(children(client, parent))
+    if best is not None:
+        print(best_line(best))
     warning = overlap_warning(rows)
     if warning:
         print(warning, file=sys.stderr)

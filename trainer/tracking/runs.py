@@ -11,23 +11,28 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import math
+import sys
 import tempfile
+import time
+import urllib.parse
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlflow
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from mlflow.entities import Metric, RunStatus
+from mlflow.entities import Metric, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.errors import ConfigError
 from trainer.loop.meter import STEP_COLUMNS
 from trainer.tracking import plots
-from trainer.tracking.store import OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten, store_errors
+from trainer.tracking.store import OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten, shown, store_errors
 
 
 def system_metrics(tracking) -> Optional[bool]:
@@ -86,7 +91,15 @@ def child_identity(client: MlflowClient, cfg: DictConfig) -> Tuple[Optional[str]
 
 class Tracker:
     """One MLflow run. Use as a context manager: an exception marks the run FAILED, an interrupt
-    KILLED, and whatever was logged before stays."""
+    KILLED, and whatever was logged before stays.
+
+    What the run measured is saved when it is closed, in the order that keeps the most if the
+    store's disk fills or the store goes away: summary metrics, `steps.csv`, the per-step
+    series, pictures, then the tags and the status. Artifacts go straight to the run's artifact
+    folder, so they are kept when the database refuses them; a `steps.csv` or summary the store
+    refuses is written to the run's folder (`local_folder`) instead. The exception closing the
+    run (or, for a finished run, a warning line) then says what was refused and where it went.
+    """
 
     def __init__(self, cfg, tags: Dict[str, str]):
         self.cfg = cfg
@@ -101,12 +114,20 @@ class Tracker:
             self.run = mlflow.start_run(experiment_id=exp_id, run_name=cfg.tracking.run_name or sweep_name,
                                         tags={**tags, **sweep_tags}, log_system_metrics=system_metrics(cfg.tracking))
         self.run_id = self.run.info.run_id
+        self.artifacts = get_artifact_repository(self.run.info.artifact_uri)  # written without the database
+        self.summary: Dict[str, float] = {}
+        self.rows: List[dict] = []
+        self.tables: List[Tuple[List[dict], str]] = []  # other ranks' steps: (rows, file name)
+        self.files: List[Path] = []
+        self.tags: Dict[str, str] = {}  # refused while the run ran: tried again at the close
+        self.refused: List[Tuple[str, BaseException]] = []  # (what, why), in the order saved
+        self.kept: Dict[str, Path] = {}  # what the store refused -> where it was written instead
         try:
-            params = flatten(cfg)
-            items = list(params.items())
-            for i in range(0, len(items), 100):  # log_batch takes at most 100 params
-                mlflow.log_params(dict(items[i:i + 100]))
-            mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+            with store_errors(self.uri):
+                items = list(flatten(cfg).items())
+                for i in range(0, len(items), 100):  # log_batch takes at most 100 params
+                    mlflow.log_params(dict(items[i:i + 100]))
+                mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
         except BaseException as e:  # the run is open but no `with` block holds it yet: close it here
             self.__exit__(type(e), e, e.__traceback__)
             raise
@@ -119,56 +140,141 @@ class Tracker:
             status = RunStatus.to_string(RunStatus.FINISHED)
         elif issubclass(exc_type, KeyboardInterrupt):  # Ctrl-C, or SIGTERM (trainer.errors.Interrupted)
             status = RunStatus.to_string(RunStatus.KILLED)
-            mlflow.set_tag("interrupted_by", str(exc) or "SIGINT")
+            self.tags["interrupted_by"] = str(exc) or "SIGINT"
         else:
             status = RunStatus.to_string(RunStatus.FAILED)
             if exc is not None:
-                mlflow.set_tag("error", f"{exc_type.__name__}: {exc}"[:5000])
+                self.tags["error"] = f"{exc_type.__name__}: {exc}"[:5000]
             if getattr(exc, "step", None) is not None:
-                mlflow.set_tag("failed_step", str(exc.step))
+                self.tags["failed_step"] = str(exc.step)
+        self._save()
+        if self.tags:
+            tags = [RunTag(k, v) for k, v in self.tags.items()]
+            self._attempt("tags", lambda: self.client.log_batch(self.run_id, tags=tags))
+        self._attempt("status", lambda: mlflow.end_run(status))
+        note = self.refusal()
         if exc is not None:
             exc.run_id = self.run_id  # lets the one-line report name the run
-        mlflow.end_run(status)
+            if note:
+                exc.refused = note
+        elif note:
+            print(f"warning: run {self.run_id} finished, but {note}", file=sys.stderr)
         return False
 
-    def set_tags(self, tags: Dict[str, object]) -> None:
-        mlflow.set_tags({k: str(v) for k, v in tags.items()})
+    def _save(self) -> None:
+        """Everything the run measured, the most valuable first (see the class)."""
+        now = int(time.time() * 1000)
+        if self.summary and not self._attempt("summary metrics", lambda: self.client.log_batch(
+                self.run_id, metrics=[Metric(k, v, now, 0) for k, v in self.summary.items()], synchronous=True)):
+            self._keep_here("summary metrics", "summary.json",
+                            lambda path: path.write_text(json.dumps(self.summary, indent=1)))
+        with tempfile.TemporaryDirectory() as tmp:
+            for rows, name in [(self.rows, "steps.csv")] * bool(self.rows) + self.tables:
+                if not self._attempt(name, lambda: self.artifacts.log_artifact(str(write_rows(rows, Path(tmp) / name)))):
+                    self._keep_here(name, name, lambda local: write_rows(rows, local))
+            if self.rows:
+                self._attempt("per-step metrics", lambda: self._log_series(self.rows))
+                title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
+                self._attempt("timeline.png", lambda: self.artifacts.log_artifact(str(
+                    plots.timeline(self.rows, Path(tmp) / "timeline.png", self.cfg.engine.warmup_steps, title))))
+        for path in self.files:
+            self._attempt(path.name, lambda: self.artifacts.log_artifact(str(path)))
 
-    def log_environment(self, env: Dict[str, object]) -> None:
-        mlflow.log_dict(env, "environment.json")
+    def _attempt(self, what: str, write: Callable[[], object]) -> bool:
+        """Run one write to the store; what it refuses is noted, not raised: the rest is still saved."""
+        try:
+            write()
+            return True
+        except Exception as e:  # MLflow's, SQLAlchemy's and the file system's errors alike
+            self.refused.append((what, e))
+            return False
 
-    def log_steps(self, rows: List[dict]) -> None:
-        """Per-step series (`log_batch`, step = global step), `steps.csv` and `timeline.png`.
-        A column a loop adds to the rows (Lightning's `lightning_ms`) is logged too."""
+    def _keep_here(self, what: str, name: str, write: Callable[[Path], object]) -> None:
+        """Write what the store refused into the run's own folder instead."""
+        path = local_folder(self.run_id) / name
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write(path)
+            self.kept[what] = path
+        except OSError:
+            pass  # the one line says it is lost: the store refused it, and so did this disk
+
+    def refusal(self) -> Optional[str]:
+        """One phrase: what the store refused, why, and where the data went (None: nothing refused)."""
+        if not self.refused:
+            return None
+        what = [w for w, _ in self.refused]
+        listed = ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+        where = [f"{w} in {path}" for w, path in self.kept.items()]
+        if self.rows and "steps.csv" not in what:
+            where.append(f"steps.csv in {artifact_folder(self.run.info.artifact_uri)}")
+        lost = [w for w in ("summary metrics", "steps.csv") if w in what and w not in self.kept]
+        return (f"the store at {shown(self.uri)} refused its {listed} ({reason(self.refused[0][1])})"
+                + "".join(f"; {w}" for w in where) + (f"; lost: {' and '.join(lost)}" if lost else ""))
+
+    def _log_series(self, rows: List[dict]) -> None:
+        """Per-step series (`log_batch`, step = global step). A column a loop adds to the rows
+        (Lightning's `lightning_ms`) is logged too."""
         extra = tuple(k for k in (rows[0] if rows else {}) if k not in STEP_COLUMNS and not k.startswith("_"))
         # A GPU time of a step outside the meter's timed runs is nan: not logged (see trainer.loop.meter).
         metrics = [Metric(k, float(r[k]), 0, int(r["step"])) for r in rows for k in PER_STEP_METRICS + extra
                    if not math.isnan(float(r[k]))]
         for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
             self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000], synchronous=True)
-        self.log_rows(rows, "steps.csv")
-        with tempfile.TemporaryDirectory() as tmp:
-            if rows:
-                title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
-                mlflow.log_artifact(str(plots.timeline(rows, Path(tmp) / "timeline.png",
-                                                       self.cfg.engine.warmup_steps, title)))
+
+    def set_tags(self, tags: Dict[str, object]) -> None:
+        tags = {k: str(v) for k, v in tags.items()}
+        try:
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+        except Exception:  # the store failed mid-run: tried again, and reported, when the run is closed
+            self.tags.update(tags)
+
+    def log_environment(self, env: Dict[str, object]) -> None:
+        self._attempt("environment.json", lambda: mlflow.log_dict(env, "environment.json"))
+
+    def log_steps(self, rows: List[dict]) -> None:
+        """Per-step rows: `steps.csv`, the per-step series and `timeline.png`, saved at the close."""
+        self.rows = rows
 
     def log_rows(self, rows: List[dict], name: str) -> None:
-        """Per-step rows as a CSV artifact (`steps.csv`; another rank's: `steps_rank1.csv`)."""
-        extra = [k for k in (rows[0] if rows else {}) if k not in STEP_COLUMNS and not k.startswith("_")]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / name
-            with path.open("w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(STEP_COLUMNS) + extra, extrasaction="ignore")
-                w.writeheader()
-                w.writerows(rows)
-            mlflow.log_artifact(str(path))
+        """Another rank's per-step rows as a CSV artifact (`steps_rank1.csv`), saved at the close."""
+        self.tables.append((rows, name))
 
     def log_summary(self, summary: Dict[str, float]) -> None:
-        mlflow.log_metrics({k: float(v) for k, v in summary.items()})
+        self.summary.update({k: float(v) for k, v in summary.items()})
 
     def log_artifact(self, path: Path) -> None:
-        mlflow.log_artifact(str(path))
+        self.files.append(path)
+
+
+def write_rows(rows: List[dict], path: Path) -> Path:
+    """Per-step rows as CSV; a column a loop adds (Lightning's `lightning_ms`) after the meter's."""
+    extra = [k for k in (rows[0] if rows else {}) if k not in STEP_COLUMNS and not k.startswith("_")]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(STEP_COLUMNS) + extra, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return path
+
+
+def artifact_folder(uri: str) -> str:
+    """A run's artifact location as a path when it is local (`file://...`), else the URI."""
+    parts = urllib.parse.urlsplit(uri)
+    return urllib.parse.unquote(parts.path) if parts.scheme == "file" else uri
+
+
+def local_folder(run_id: str) -> Path:
+    """Where a run writes what the store refused: Hydra's folder for the run, else outputs/runs/<id>."""
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return OUTPUTS / "runs" / run_id
+
+
+def reason(error: BaseException) -> str:
+    """An error in a few words: the database's own message, not SQLAlchemy's statement dump."""
+    cause = getattr(error, "orig", None) or getattr(error.__cause__, "orig", None) or error
+    text = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).split("[SQL:")[0]
+    return f"{type(cause).__name__}: {' '.join(text.split())[:200]}"
 
 
 class NoTracker:

@@ -18,16 +18,23 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import warnings
 from pathlib import Path
 from typing import Dict, Iterator, Optional, Set, Tuple
 
 import mlflow
 from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from trainer.config import BASE_DIR
 from trainer.errors import ConfigError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: stores are made without the lock
+    fcntl = None
 
 OUTPUTS = BASE_DIR / "outputs"  # the checkout's outputs/, or ./outputs for an installed package
 PER_STEP_METRICS = ("data_wait_ms", "h2d_ms", "compute_ms", "step_ms", "loss")
@@ -36,10 +43,11 @@ HOSTED = ("databricks", "databricks-uc", "uc")  # MLflow checks these itself
 SQLITE_HEADER = b"SQLite format 3\x00"  # the first 16 bytes of every SQLite database file
 PIP_NAMES = {"MySQLdb": "mysqlclient", "psycopg": "'psycopg[binary]'", "psycopg2": "psycopg2-binary"}
 
-# MLflow logs at INFO when it creates a database's tables; stderr is kept for what needs reading
-# (a bad input is one line, and these lines would come before it).
-for _name in ("mlflow.store.db.utils", "alembic.runtime.migration"):
-    logging.getLogger(_name).setLevel(logging.WARNING)
+# MLflow logs at INFO when it creates a database's tables, and a database error at ERROR with its
+# traceback and SQL before raising it; stderr is kept for what needs reading (a bad input, a
+# refused write: one line each, and these would come before it).
+logging.getLogger("alembic.runtime.migration").setLevel(logging.WARNING)
+logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
 def default_uri() -> str:
@@ -60,7 +68,14 @@ def experiment_id(client: MlflowClient, name: str, uri: str) -> str:
         raise ConfigError(f"tracking.experiment={name} was deleted from {shown(uri)} (it is in MLflow's trash): "
                           f"restore it (MLFLOW_TRACKING_URI={shown(uri)} mlflow experiments restore "
                           f"--experiment-id {exp.experiment_id}) or set tracking.experiment=<another name>")
-    return exp.experiment_id if exp else client.create_experiment(name, artifact_location=artifact_root(uri))
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=artifact_root(uri))
+    except MlflowException as e:  # another run made it a moment ago (runs started at once)
+        if e.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        return client.get_experiment_by_name(name).experiment_id
 
 
 @contextlib.contextmanager
@@ -105,6 +120,35 @@ def check_tracking_uri(uri: Optional[str]) -> None:
         raise ConfigError(f"tracking.uri={shown(target)}: MLflow has no store for {scheme}:// URIs: set "
                           f"tracking.uri=sqlite:///<folder>/mlflow.db, http(s)://<an MLflow server> or a database URI "
                           f"({', '.join(s + '://' for s in DATABASES)}), or tracking.uri=null to record in {default_uri()}")
+
+
+def check_store_to_read(uri: str) -> None:
+    """Before runs are read back (`python -m trainer.report --uri`): the trainer's checks, for a
+    store that must exist already, in one line naming --uri. Nothing is made or written."""
+    scheme = urllib.parse.urlsplit(uri).scheme.lower()
+    path = sqlite_path(uri) if scheme == "sqlite" else Path(uri) if len(scheme) <= 1 else None
+    if path is not None and path.is_file():  # a bare path too: it may name the database
+        _check_mlflow_database(path, uri, key="--uri")
+        if scheme != "sqlite":
+            raise ConfigError(f"--uri {uri} is a path, not a URI: pass --uri sqlite:///{path.resolve()}")
+    elif scheme == "sqlite" or (path is not None and not path.exists()):
+        raise ConfigError(f"no MLflow database at {path or uri}: run a sweep first "
+                          "(python -m trainer -m loader=baseline,pinned) or pass --uri")
+    else:
+        try:
+            check_tracking_uri(uri)
+        except ConfigError as e:
+            raise ConfigError(_for_the_report(str(e))) from None
+
+
+def _for_the_report(message: str) -> str:
+    """A message of `check_tracking_uri`, worded for the report's --uri (it reads, and its default
+    is the trainer's store)."""
+    for trainer, report in (("set tracking.uri=null to record in", "leave --uri out to read"),
+                            ("or tracking.uri=null to record in", "or leave --uri out to read"),
+                            ("set tracking.uri=null", "leave --uri out"), ("tracking.uri=", "--uri=")):
+        message = message.replace(trainer, report)
+    return message
 
 
 # -- an MLflow server ------------------------------------------------------------------------------
@@ -189,68 +233,105 @@ def _check_sqlite(target: str, default: bool) -> None:
         fix = "set tracking.uri=null" if not default else "set tracking.uri=sqlite:////<a writable folder>/mlflow.db"
         raise ConfigError(f"tracking.uri={target}: cannot write in {db.parent} ({e.strerror or e}): "
                           f"use a writable folder or {fix}") from None
-    if db.exists() and db.stat().st_size:  # an empty file is a new database: MLflow makes its tables
-        _check_mlflow_database(db, target)
+    with store_lock(db):
+        if db.exists() and db.stat().st_size:
+            _check_mlflow_database(db, target)
+        else:  # a new database (an empty file too): MLflow makes its tables now, one process at a time
+            _make_store(target)
+
+
+@contextlib.contextmanager
+def store_lock(db: Path) -> Iterator[None]:
+    """Hold `<db>.lock` (an flock: released when the process ends, however it ends). MLflow makes
+    a new database's tables through a series of schema migrations; two processes making them at
+    once (two runs started together on a new store) leave the file half-migrated."""
+    if fcntl is None:
+        yield
+        return
+    with open(db.with_name(db.name + ".lock"), "a") as lock:  # "a": made if missing, never truncated
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _make_store(target: str) -> None:
+    with store_errors(target), warnings.catch_warnings():
+        # Alembic warns about MLflow's own schema while it migrates: nothing a user can act on.
+        warnings.simplefilter("ignore")
+        MlflowClient(target).search_experiments(max_results=1)
 
 
 SETTLE_S = 1.0  # a database whose tables another process is making changes within this
 
 
-def _check_mlflow_database(db: Path, target: str) -> None:
+def _check_mlflow_database(db: Path, target: str, key: str = "tracking.uri") -> None:
     """An existing file must be an MLflow database of this MLflow's schema. Read only, before
-    MLflow opens it: MLflow would add its tables to any SQLite database, another program's too."""
-    new = f"sqlite:///{db.with_name('feedbench-mlflow.db' if db.name != 'feedbench-mlflow.db' else 'runs.db')}"
+    MLflow opens it: MLflow would add its tables to any SQLite database, another program's too.
+    Messages name `key`: the trainer's `tracking.uri`, or the report's `--uri`."""
+    if key == "tracking.uri":
+        other = db.with_name("feedbench-mlflow.db" if db.name != "feedbench-mlflow.db" else "runs.db")
+        fix, away = f"set tracking.uri=sqlite:///{other} (a new file)", ", or move that file away"
+    else:  # reading runs back: a new file would hold none
+        fix, away = f"pass {key} sqlite:///<the MLflow database your runs are in>", ""
+    named = f"{key}={target}"
     with db.open("rb") as f:
         if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
-            raise ConfigError(f"tracking.uri={target}: {db} is not an SQLite database: set tracking.uri={new} "
-                              f"(a new file), or move that file away")
-    # Another process may be making MLflow's tables in a new database right now (a sweep's jobs
-    # start at once, a test prepares the store): between two of MLflow's migrations its tables
-    # and schema look like another program's or an older MLflow's. A verdict against the file
-    # stands once the file has stopped changing.
-    state = _tables_and_schema(db, target, new)
-    problem = _problem(*state, db, target, new)
+            raise ConfigError(f"{named}: {db} is not an SQLite database: {fix}{away}")
+    # Another program may be making MLflow's tables in a new database right now (ours make them
+    # under `store_lock`; a test, `mlflow ui`, do not): between two of MLflow's migrations its
+    # tables and schema look like another program's or an older MLflow's. A verdict against the
+    # file stands once the file has stopped changing.
+    state = _tables_and_schema(db, named, fix)
+    problem = _problem(*state, db, target, named, fix)
     deadline = time.monotonic() + 20 * SETTLE_S
     while problem and time.monotonic() < deadline:
         time.sleep(SETTLE_S)
-        again = _tables_and_schema(db, target, new)
+        again = _tables_and_schema(db, named, fix)
         if again == state:
             break
-        state, problem = again, _problem(*again, db, target, new)
+        state, problem = again, _problem(*again, db, target, named, fix)
     if problem:
         raise ConfigError(problem)
 
 
-def _tables_and_schema(db: Path, target: str, new: str) -> Tuple[frozenset, Optional[str]]:
-    """The database's tables and the schema revision MLflow stamped in it (None: no stamp)."""
+def _tables_and_schema(db: Path, named: str, fix: str) -> Tuple[frozenset, Optional[str], int]:
+    """The database's tables, the schema revision MLflow stamped in it (None: no stamp) and the
+    number of runs it holds."""
     try:
         with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
             tables = frozenset(name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
                                if not name.startswith("sqlite_"))
             stamp = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None
+            runs = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
     except sqlite3.Error as e:  # damaged, encrypted, locked by another program
-        raise ConfigError(f"tracking.uri={target}: {db} cannot be read as an SQLite database ({e}): "
-                          f"set tracking.uri={new} (a new file), or repair that one") from None
-    return tables, stamp[0] if stamp else None
+        raise ConfigError(f"{named}: {db} cannot be read as an SQLite database ({e}): {fix}, or repair that one") from None
+    return tables, stamp[0] if stamp else None, runs
 
 
-def _problem(tables: frozenset, revision: Optional[str], db: Path, target: str, new: str) -> Optional[str]:
+def _problem(tables: frozenset, revision: Optional[str], runs: int, db: Path, target: str, named: str,
+             fix: str) -> Optional[str]:
     """What keeps MLflow from recording runs in a database of these tables and schema (None: nothing)."""
     if not tables:
         return None  # a new database: MLflow makes its tables
+    head, known = mlflow_schemas()
+    leftovers = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+    if revision != head and not runs and (leftovers or (revision is None and {"experiments", "runs"} <= tables)):
+        # MLflow stopped making it half-way: runs that opened a new store at once (before
+        # feedbench made stores under `store_lock`), or a process killed while it made one.
+        made = f"schema {revision}" if revision else "no schema stamped"
+        return (f"{named}: {db} was left half-made by MLflow's table migrations ({made}"
+                f"{', leftover tables ' + ', '.join(leftovers) if leftovers else ''}) and holds no runs: "
+                f"delete it (rm {db}) and rerun, which makes it anew")
     if not {"experiments", "runs", "alembic_version"} <= tables:
         listed = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
-        return (f"tracking.uri={target}: {db} is another program's SQLite database (tables {listed}), "
-                f"not an MLflow store: set tracking.uri={new} (a file of its own)")
-    head, known = mlflow_schemas()
+        return (f"{named}: {db} is another program's SQLite database (tables {listed}), not an MLflow store: "
+                f"{fix.replace('(a new file)', '(a file of its own)')}")
     if head is None or revision == head:
-        return None
+        return None  # leftover `_alembic_tmp_*` tables beside the latest schema are harmless
     if revision in known:
-        return (f"tracking.uri={target} holds runs of an older MLflow (database schema {revision}; MLflow "
-                f"{mlflow.__version__} needs {head}): back the file up and upgrade it (mlflow db upgrade "
-                f"{target}), or set tracking.uri={new} (a new file)")
-    return (f"tracking.uri={target} was written by a newer MLflow than {mlflow.__version__} (database schema "
-            f"{revision}): upgrade MLflow (pip install -U mlflow), or set tracking.uri={new} (a new file)")
+        return (f"{named} holds runs of an older MLflow (database schema {revision}; MLflow {mlflow.__version__} "
+                f"needs {head}): back the file up and upgrade it (mlflow db upgrade {target}), or {fix}")
+    return (f"{named} was written by a newer MLflow than {mlflow.__version__} (database schema {revision}): "
+            f"upgrade MLflow (pip install -U mlflow), or {fix}")
 
 
 def mlflow_schemas() -> Tuple[Optional[str], Set[str]]:

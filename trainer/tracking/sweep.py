@@ -127,6 +127,10 @@ def finish_parent(uri: str, parent_id: str, stopped: Optional[str] = None) -> Tu
         if rows:
             png = plots.comparison(rows, keys, Path(tmp) / "comparison.png", title=parent.info.run_name)
             client.log_artifact(parent_id, str(png))
+    best = report.best_trial(report.children(client, parent))
+    if best is not None:  # what a tuner found (experiment=tune_dataloader); any sweep's fastest job
+        client.set_tag(parent_id, "best_run_id", best["run_id"])
+        client.set_tag(parent_id, "best", report.best_line(best))
     failed = sum(r["status"] != "FINISHED" for r in rows)
     client.set_tag(parent_id, "jobs", str(len(rows)))
     client.set_tag(parent_id, "failed_jobs", str(failed))
@@ -203,6 +207,9 @@ class SweepCallback(Callback):
     def _show(self, keys: List[str], rows: List[dict]) -> None:
         print(f"sweep {self.parent_id}: {len(rows)} jobs (`python -m trainer.report` prints this again)")
         print(report.format_table(keys, rows), flush=True)
+        best = MlflowClient(self.uri).get_run(self.parent_id).data.tags.get("best")
+        if best:
+            print(best, flush=True)
         warning = report.overlap_warning(rows)
         if warning:
             print(warning, file=sys.stderr, flush=True)
@@ -211,6 +218,12 @@ class SweepCallback(Callback):
         # Interrupted (Ctrl-C, SIGTERM: the entry point notes the signal) or stopped by an error.
         stopped = "KILLED" if faults.stopped_by is not None else "FAILED"
         try:
+            client = MlflowClient(self.uri)
+            if not report.children(client, client.get_run(self.parent_id)):
+                # No job ran (Hydra refused an override of the sweep, or a Ctrl-C came first): an
+                # empty parent would be "the latest sweep" for the report. MLflow keeps it in its trash.
+                client.delete_run(self.parent_id)
+                return
             self._show(*finish_parent(self.uri, self.parent_id, stopped=stopped))
         except Exception as e:
             print(f"warning: could not close sweep run {self.parent_id}: {e}", file=sys.stderr)

@@ -1,21 +1,23 @@
-"""`seed_iterable`: seed 000's own DataLoader, to reproduce the four variants it timed.
+"""`iterable_chunks`: a DataLoader over an IterableDataset of random chunks, in four variants.
 
-A DataLoader (`batch_size=None`) over the seed's IterableDataset (`SyntheticDataset.iterable`):
-every pass loads each chunk again – the seed's 'disk read', here generating it (plus
-`dataset.load_ms`) – and draws `dataset.batches_per_chunk` batches of random rows from it
-(`rng.choice`, with replacement). `loader.variant` is what the seed compared:
+The loader of a public notebook that timed a 4 GB pinned copy and then this loader (the presets
+`copy_4gb`, `iterable_chunk_loaders`, `lightning_vs_loop`). A DataLoader (`batch_size=None`) over
+its IterableDataset (`SyntheticDataset.iterable`): every pass loads each chunk again – the
+notebook's 'disk read', here generating it (plus `dataset.load_ms`) – and draws
+`dataset.batches_per_chunk` batches of random rows from it (`rng.choice`, with replacement).
+`loader.variant` is what the notebook compared:
 
 - `no_pinning`: pageable batches, blocking `.to(device)` after the DataLoader;
-- `copy_in_loader`: the DataLoader's collate_fn copies each batch to the device (the seed's
+- `copy_in_loader`: the DataLoader's collate_fn copies each batch to the device (the notebook's
   `torch.tensor(x, device='cuda')`): the same blocking pageable copy, made inside the loader;
 - `pin_batches`: `DataLoader(pin_memory=True)` pins each batch, then `.to(device, non_blocking=True)`;
 - `pin_chunk`: each loaded chunk is pinned with `.pin_memory()` and the batches are its first
   contiguous slices (a slice of pinned memory is pinned, a random gather is not), copied with
   `non_blocking=True`.
 
-The rows are the seed's random draws, so unlike every other strategy this one does not deliver
+The rows are the notebook's random draws, so unlike every other strategy this one does not deliver
 the same samples as `baseline` (and `loader.shuffle`/`drop_last` do not apply): it reproduces
-seed 000, it is not a strategy to compare on equal data. Under torchrun each rank loads every
+that notebook, it is not a strategy to compare on equal data. Under torchrun each rank loads every
 `world_size`-th chunk (as DataLoader workers share them), so the ranks together draw exactly the
 rows one process draws; their numbers of batches differ when the chunks do not split evenly.
 """
@@ -37,13 +39,13 @@ IN_PROCESS = ("copy_in_loader", "pin_chunk")  # touch CUDA while loading: DataLo
 
 
 @LOADERS.register
-class SeedIterableLoader(DeviceLoader):
+class IterableChunksLoader(DeviceLoader):
     @dataclass
     class Config(LoaderConfig):
-        """Seed 000's own DataLoader over its IterableDataset (dataset=synthetic only)."""
+        """A DataLoader over an IterableDataset that reloads random chunks every pass (dataset=synthetic only)."""
 
-        name: str = "seed_iterable"
-        variant: str = "pin_batches"  # no_pinning | copy_in_loader | pin_batches | pin_chunk: the seed's four
+        name: str = "iterable_chunks"
+        variant: str = "pin_batches"  # no_pinning | copy_in_loader | pin_batches | pin_chunk: how batches are pinned and copied
 
         def __post_init__(self):
             super().__post_init__()
@@ -55,7 +57,7 @@ class SeedIterableLoader(DeviceLoader):
         super().__init__(cfg, dataset, device, seed, shard)
         variant = cfg.variant
         if not hasattr(dataset, "iterable"):
-            raise ConfigError(f"loader=seed_iterable draws from seed 000's synthetic chunks (got dataset={dataset.cfg.name}): "
+            raise ConfigError(f"loader=iterable_chunks draws from the synthetic dataset's chunks (got dataset={dataset.cfg.name}): "
                               "set dataset=synthetic")
         if variant in IN_PROCESS and cfg.num_workers > 0:
             raise ConfigError(f"loader.variant={variant} touches CUDA while loading, which loader worker processes cannot "
@@ -102,7 +104,7 @@ class SeedIterableLoader(DeviceLoader):
         ds, b = self.dataset, self.cfg.batch_size
         for c in self.iterable.chunks():
             x, y = ds.load_chunk(c)
-            if self.on_cuda:  # the seed's `torch.tensor(data).pin_memory()`: a page-locked copy per load
+            if self.on_cuda:  # the notebook's `torch.tensor(data).pin_memory()`: a page-locked copy per load
                 x, y = x.pin_memory(), y.pin_memory()
             for j in range(ds.cfg.batches_per_chunk or math.ceil(len(x) / b)):
                 yield x[j * b:(j + 1) * b], y[j * b:(j + 1) * b]
@@ -124,7 +126,7 @@ class SeedIterableLoader(DeviceLoader):
                 yield self._copy(batch, non_blocking=variant == "pin_batches")
 
     def host_batches(self):
-        # The seed's own Lightning run: DataLoader(pin_memory=True) batches, copied by Lightning.
+        # The notebook's own Lightning run: DataLoader(pin_memory=True) batches, copied by Lightning.
         return self._host_pass() if self.cfg.variant in ("no_pinning", "pin_batches") else None
 
     def _host_pass(self):
@@ -136,7 +138,7 @@ def check_chunks_fit(cfg, dataset, pinned_copy: bool) -> None:
     """Every loading process (the main one, or each DataLoader worker) holds one whole chunk while
     it serves batches from it; `pin_chunk` adds its page-locked copy."""
     copies = max(1, cfg.num_workers) * (1 + pinned_copy)
-    what = (f"loader=seed_iterable (one chunk of dataset.chunk_samples={dataset.chunk_samples} in each of "
+    what = (f"loader=iterable_chunks (one chunk of dataset.chunk_samples={dataset.chunk_samples} in each of "
             f"{max(1, cfg.num_workers)} loading process(es){', and its pinned copy' * pinned_copy})")
     check_host_fits(copies * dataset.chunk_samples * dataset.sample_bytes, what,
                     lambda free: f"set dataset.chunk_samples={max(1, free // (2 * copies * dataset.sample_bytes))} "

@@ -1,0 +1,372 @@
+"""Answers, not only numbers: the kernel window's honest device figures, the advisor's verdict and
+changes, and the tuner's objective through Hydra's Optuna sweeper."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from omegaconf import OmegaConf
+
+from conftest import compose_config
+from trainer.errors import ConfigError
+from trainer.loop.engine import train
+from trainer.loop.meter import StepMeter
+from trainer.loop.run import run
+from trainer.tools import advisor
+from trainer.tools.advisor import Ladder, judge, predict, recommend, candidates, tolerance
+from trainer.tools.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
+
+TESTS = Path(__file__).resolve().parent
+# A tiny CPU job, as conftest's TINY, with a model that does nothing (the CPU's step is then only
+# what a test adds: `model.busy_ms`, or nothing).
+TINY_NOOP = ["model=noop", "dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16",
+             "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu"]
+
+
+# ----------------------------------------------------------------------------- the kernel window
+def _event(name, cat, ts, dur, pid=0, tid=7, **args):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": pid, "tid": tid, "args": args}
+
+
+def _runtime(name, ts, correlation=None, tid=1):
+    return _event(name, "cuda_runtime", ts, 2, pid=4242, tid=tid, **({} if correlation is None else {"correlation": correlation}))
+
+
+def _window_trace(tmp_path: Path, markers=True) -> Path:
+    """Two traced steps after an untraced one (a sync between), as a CUDA-only trace has them:
+    step 0 launches kernels at 110 and 120 that run 200-250 and 300-350 (50 us idle between);
+    step 1 a device copy and a kernel that run back to back, 380-400 and 400-500; a side-stream
+    copy 200-300 runs half under a kernel."""
+    events = [_event("warm", "kernel", 10, 40, correlation=1), _runtime("cudaLaunchKernel", 5, 1)]  # before the window
+    if markers:
+        events += [_runtime("cudaStreamQuery", ts) for ts in (100, 130, 160)]  # the loop thread's step marks
+        events += [_runtime("cudaStreamQuery", ts, tid=9) for ts in (140, 150)]  # another thread's queries
+    events += [_runtime("cudaLaunchKernel", 110, 2), _runtime("cudaLaunchKernel", 120, 3),
+               _runtime("cudaMemcpyAsync", 135, 4), _runtime("cudaLaunchKernel", 140, 5),
+               _event("gemm", "kernel", 200, 50, correlation=2), _event("relu", "kernel", 300, 50, correlation=3),
+               _event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 380, 20, correlation=4),
+               _event("gemm", "kernel", 400, 100, correlation=5),
+               _event("Memcpy HtoD (Pinned -> Device)", "gpu_memcpy", 200, 100, tid=20)]
+    path = tmp_path / "kernel_window.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_kernel_figures_count_the_kernels_not_the_launch_gaps(tmp_path):
+    figures = kernel_figures(_window_trace(tmp_path), steps=2, wall_s=500e-6)
+    assert figures == pytest.approx({
+        "gpu_kernel_busy_fraction": 200 / 500,  # 50 + 50 + 100 us of kernels in 500 us; the warm-up's left out
+        "gpu_kernel_ms_per_step": 0.2 / 2,
+        "launch_gap_ms": (50 + 0) / 1e3 / 2,  # step 0 idles 250-300; step 1's copy fills its span
+        "h2d_overlapped_by_kernels_fraction": 0.5,  # 200-250 of the copy's 200-300 under a kernel
+        "kernel_window_ms_per_step": 0.25})
+
+
+def test_kernel_figures_without_step_markers_keep_the_rest(tmp_path):
+    figures = kernel_figures(_window_trace(tmp_path, markers=False), steps=2, wall_s=500e-6)
+    assert math.isnan(figures["launch_gap_ms"])
+    assert figures["h2d_overlapped_by_kernels_fraction"] == pytest.approx(0.5)
+    assert figures["gpu_kernel_ms_per_step"] == pytest.approx(0.24 / 2)  # without the first mark, the warm-up's kernel counts too
+
+
+def test_a_cpu_run_has_nan_kernel_figures_and_says_why(tiny_cfg, runs):
+    summary = run(tiny_cfg())
+    assert all(math.isnan(summary[k]) for k in WINDOW_FIGURES)  # not measured: nan, never 0
+    assert runs()[0].data.tags["kernel_window"] == "not taken: no CUDA: a CPU run has no kernels to trace"
+    run(tiny_cfg("engine.kernel_window_steps=0"))
+    assert runs()[0].data.tags["kernel_window"] == "not taken: off (engine.kernel_window_steps=0)"
+    assert "compute_stream_span_fraction" in summary and "h2d_beside_step_fraction" in summary
+    assert not {"gpu_busy_fraction", "hidden_h2d_fraction"} & set(summary)  # the old names said more than they measured
+
+
+def test_a_failed_window_never_fails_the_run(tmp_path, monkeypatch):
+    monkeypatch.setattr("trainer.tools.profiling._cannot_trace", lambda device: "")
+    window = KernelWindow(3, torch.device("cpu"), tmp_path)
+    assert window.enabled
+    window.run(lambda x, y: x.sum(), iter([(torch.ones(2), torch.ones(2))] * 4))  # no CUDA stream to mark
+    assert window.reason.startswith("failed: ") and not window.enabled
+    assert all(math.isnan(v) for v in window.figures().values())
+
+
+class RecordingWindow:
+    """A kernel window that traces nothing: what `train` hands it, and what it sees meanwhile."""
+
+    enabled = True
+
+    def __init__(self, steps, loader):
+        self.steps, self.loader, self.seen = steps, loader, []
+
+    def run(self, step_fn, batches):
+        for x, y in batches:
+            assert self.loader.copy_probe is None  # the window's copies are not metered
+            step_fn(x, y)
+            self.seen.append(int(x[0]))
+            if len(self.seen) == self.steps + 1:
+                return
+
+
+class Numbered:
+    """Batches 0..n-1 of one pass, each a tensor holding its number."""
+
+    def __init__(self, n):
+        self.n, self.copy_probe, self.closed = n, "meter", 0
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        try:
+            for i in range(self.n):
+                yield torch.full((2,), float(i)), torch.zeros(2)
+        finally:
+            self.closed += 1
+
+
+def test_the_window_runs_after_the_timed_region_and_changes_nothing_in_it():
+    cfg = OmegaConf.create({"max_steps": 7, "epochs": 1, "warmup_steps": 2, "progress": False, "optimizer": {"lr": 0.1}})
+
+    class Step:
+        graph_replays, eager_steps = 0, 0
+
+        def __call__(self, x, y):
+            self.eager_steps += 1
+            return x.sum()
+
+    results = []
+    for traced in (False, True):
+        loader, step = Numbered(5), Step()
+        window = RecordingWindow(3, loader) if traced else None
+        meter = StepMeter(torch.device("cpu"), 2, capacity=7)
+        assert train(step, loader, meter, cfg, window=window) == 7
+        result = meter.finish()
+        results.append(result)
+        assert step.eager_steps == 7  # the run's own steps, not the window's
+        assert loader.copy_probe == "meter" and loader.closed == 2 + traced  # every pass it began was closed
+        if traced:
+            assert window.seen == [2, 3, 4, 0]  # the rest of the run's last pass, then a new one
+    untimed, traced = results
+    assert len(traced.rows) == len(untimed.rows) == 7 and traced.summary["timed_steps"] == untimed.summary["timed_steps"] == 5
+
+
+# ----------------------------------------------------------------------------- the verdict
+def ladder(**values) -> Ladder:
+    return Ladder(**{"graphed": False, "strategy": "baseline", "tolerance": 0.03, **values})
+
+
+@pytest.mark.parametrize("values, bound", [
+    # the host makes a batch in 9.5 ms, the step alone takes 1: feeding is the cost, and not the copy
+    (dict(configured=10.0, ceiling_eager=1.0, feed=9.5), "input"),
+    # the copy alone takes what the feed does
+    (dict(configured=3.0, ceiling_eager=1.0, feed=2.2, copy_achieved=2.1), "copy"),
+    # a 15 ms step, a 5.5 ms feed whose 2.5 ms copy is what the run pays on top of the step
+    (dict(configured=17.5, ceiling_eager=15.0, ceiling_graphed=14.9, feed=5.5, copy_achieved=2.5), "copy"),
+    # an eager step of 1.8 ms that its graph does in 0.8, fed in 0.35 beside it
+    (dict(configured=1.9, ceiling_eager=1.8, ceiling_graphed=0.8, feed=0.35, copy_achieved=0.33,
+          strategy="pinned_chunk"), "launch"),
+    # within the tolerance of its ceiling, graphed or not
+    (dict(configured=15.2, ceiling_eager=15.0, ceiling_graphed=14.9, feed=1.0, strategy="gpu_resident"), "compute"),
+    (dict(configured=0.81, ceiling_graphed=0.8, ceiling_eager=1.8, feed=0.35, graphed=True,
+          strategy="pinned_chunk"), "compute"),
+])
+def test_the_bound_is_what_the_ceilings_say_costs_the_most(values, bound):
+    assert judge(ladder(**values)).bound == bound
+
+
+def test_the_tolerance_is_the_ceilings_own_jitter():
+    assert tolerance({"ms_per_step": 10.0, "median_step_ms": 9.0}) == pytest.approx(0.1)
+    assert tolerance({"ms_per_step": 10.0, "median_step_ms": 10.0}) == 0.03  # a few percent at least
+    assert tolerance({"ms_per_step": 10.0, "median_step_ms": 5.0}) == 0.2  # at most
+    # A gap of 5% is the run's bound with a steady ceiling, noise with a jittery one.
+    steady = ladder(configured=1.05, ceiling_eager=1.0, feed=0.5, tolerance=0.03)
+    assert judge(steady).bound == "input" and judge(ladder(**{**steady.__dict__, "tolerance": 0.1})).bound == "compute"
+
+
+def test_changes_are_predicted_from_the_ladder_fastest_first():
+    found = ladder(configured=10.0, ceiling_eager=1.0, feed=9.5, feeds={"loader=pinned_chunk": 0.5,
+                                                                         "loader.num_workers=4": 3.0})
+    verdict = judge(found)
+    loader_cfg = OmegaConf.create({"num_workers": 0})
+    options = candidates(found, verdict, loader_cfg)
+    assert [c.overrides[0] for c in options][:2] == ["loader=gpu_resident", "loader=pinned_chunk"]
+    options = [c for c in options if not c.overrides[0].startswith("loader.num_workers")]
+    changes = recommend(found, options)
+    # gpu_resident is the ceiling rung itself; pinned_chunk's feed beside the step, on one CPU thread
+    assert [(c.overrides, c.predicted_ms) for c in changes] == [(["loader=gpu_resident"], 1.0),
+                                                                (["loader=pinned_chunk"], pytest.approx(1.5))]
+    assert predict(1.0, 9.5, 1.0) == 10.5 and predict(1.0, 9.5, 0.0) == 9.5
+    # A change that would not save more than the tolerance is not offered.
+    assert recommend(ladder(configured=1.02, ceiling_eager=1.0, feed=0.1), options[:1]) == []
+
+
+# ----------------------------------------------------------------------------- the advisor, end to end
+def _advise(tracking_uri, *overrides, verify=False):
+    cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}", *overrides)
+    return advisor.advise(cfg, steps=4, verify=verify, log=lambda line: None)
+
+
+def test_a_loader_slowed_on_purpose_is_judged_input_and_recorded(tracking_uri):
+    # Every batch is a chunk 'read from disk' in 40 ms; the ceiling uploads them once, up front.
+    result = _advise(tracking_uri, "loader=seed_iterable", "dataset.chunks=6", "dataset.load_ms=40", verify=True)
+    assert result["bound"] == "input"
+    top = result["changes"][0]
+    assert top.overrides == ["loader=gpu_resident"] and top.predicted_ms < 10 and top.measured_ms < 10
+    ladder_ = result["ladder"]
+    assert ladder_.feed >= 35 and ladder_.configured >= 35 and ladder_.ceiling_eager < 10
+    # What a CPU cannot measure is said, not zero.
+    assert {"ceiling, graphed", "copy", "kernels"} <= set(ladder_.missing)
+    assert "not measured: ceiling, graphed (no CUDA" in result["text"]
+
+    client = MlflowClient(tracking_uri)
+    advice = client.get_run(result["run_id"])
+    assert advice.info.status == "FINISHED" and advice.data.tags["bound"] == "input"
+    assert advice.data.tags["change1"] == "loader=gpu_resident"
+    assert advice.data.metrics["ladder.configured_ms"] == ladder_.configured
+    assert advice.data.metrics["ladder.feed_ms"] == ladder_.feed and "ladder.ceiling_graphed_ms" not in advice.data.metrics
+    assert advice.data.metrics["change1.measured_ms"] == top.measured_ms
+    text = Path(client.download_artifacts(result["run_id"], "advice.md")).read_text()
+    assert "bound: input" in text and "loader=gpu_resident" in text
+    rungs = client.search_runs([advice.info.experiment_id], f"tags.`mlflow.parentRunId` = '{result['run_id']}'")
+    assert {r.info.run_name for r in rungs} >= {"advise: configured", "advise: ceiling, eager", "advise: feed alone",
+                                                 "advise: verify loader=gpu_resident"}
+
+
+def test_a_busy_model_is_judged_compute(tracking_uri, capsys):
+    assert advisor.main(["--steps", "3", *TINY_NOOP, "model.busy_ms=150", f"tracking.uri={tracking_uri}"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("bound: compute — ") and "changes: none predicted" in out
+    (advice,) = [r for r in MlflowClient(tracking_uri).search_runs(["0", *_experiments(tracking_uri)])
+                 if r.data.tags.get("advise") == "true"]
+    assert advice.data.tags["bound"] == "compute"
+
+
+def _experiments(uri):
+    return [e.experiment_id for e in MlflowClient(uri).search_experiments()]
+
+
+def test_a_config_the_run_refuses_is_one_line(tracking_uri, capsys):
+    assert advisor.main(["--steps", "2", *TINY_NOOP, "loader.batch_size=1000", f"tracking.uri={tracking_uri}"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: the run as configured failed: ") and "loader.batch_size" in err
+
+
+def simulated_gpu(cfg) -> dict:
+    """A run's summary on a made-up GPU, from its config alone: seed 000's workload fed by a
+    DataLoader (5 ms a batch alone), its eager step 0.6 ms fed from the device, 0.2 graphed."""
+    loader, model, graphed = cfg.loader.name, cfg.model.name, cfg.engine.cuda_graph
+    feeds = {"baseline": 5.0, "pinned": 3.0, "prefetch": 3.0, "pinned_chunk": 0.4, "gpu_resident": 0.01}
+    feed = 2.5 if cfg.loader.num_workers else feeds[loader]
+    step = 0.2 if graphed else 0.6
+    ms = {"noop": feed, "autoencoder": {"baseline": feed + step, "pinned_chunk": 0.9, "gpu_resident": step}[loader]}[model]
+    if loader == "gpu_resident" and cfg.loader.shuffle:
+        ms += 0.02  # the gather of a shuffled batch
+    summary = {"ms_per_step": ms, "median_step_ms": ms, "h2d_batch_mb": 16.0, "median_h2d_ms": 2.0,
+               "h2d_peak_pinned_GBps": 50.0, "h2d_peak_pageable_GBps": 8.0}
+    if cfg.engine.kernel_window_steps:
+        summary.update(gpu_kernel_ms_per_step=0.15, gpu_kernel_busy_fraction=0.15 / ms, launch_gap_ms=0.4,
+                       h2d_overlapped_by_kernels_fraction=0.0 if loader == "baseline" else math.nan)
+    return summary
+
+
+def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, monkeypatch):
+    """The GPU's rungs (graphed ceiling, copy, kernel windows, verified changes) on a simulated
+    device: which runs the advisor asks for, and what it concludes from their figures."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    monkeypatch.setattr(advisor, "max_workers", lambda: 4)
+    asked = []
+
+    def run_fn(cfg):
+        asked.append((cfg.tracking.run_name, cfg.engine.max_steps, cfg.engine.kernel_window_steps))
+        return simulated_gpu(cfg)
+
+    cfg = compose_config("dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.warmup_steps=5",
+                         f"tracking.uri={tracking_uri}")
+    result = advisor.advise(cfg, steps=100, verify=True, run_fn=run_fn, log=lambda line: None)
+    ladder_ = result["ladder"]
+    assert (ladder_.configured, ladder_.ceiling_eager, ladder_.ceiling_graphed, ladder_.feed) == (5.6, 0.6, 0.2, 5.0)
+    assert ladder_.copy_achieved == 2.0 and ladder_.copy_pinned == pytest.approx(16 * 2**20 / 50e6)
+    # Feeding costs 5 ms a step, launching 0.4; the copy is 2 of the feed's 5: the host is the bound.
+    assert result["bound"] == "input" and not ladder_.missing
+    assert [(c.overrides, round(c.predicted_ms, 3), c.measured_ms) for c in result["changes"]] == [
+        (["loader=gpu_resident"], 0.6, 0.62),
+        (["loader=pinned_chunk"], round(0.6 + (1 - 0.2 / 0.6) * 0.4, 3), 0.9),  # its feed beside the eager step's host share
+        (["loader.num_workers=4"], 3.1, 2.5 + 0.6)]  # the in-line copy still takes turns with the step
+    # Timing rungs first, without a window; the kernel windows last, one timed step each.
+    names = [name for name, _, _ in asked]
+    assert names[:4] == ["advise: configured", "advise: ceiling, eager", "advise: ceiling, graphed", "advise: feed alone"]
+    assert names[-2:] == ["advise: kernels of configured", "advise: kernels of ceiling, eager"]
+    assert all(window == 0 and steps == 105 for _, steps, window in asked[:-2])
+    assert all(window == 20 and steps == 6 for _, steps, window in asked[-2:])
+    assert ladder_.kernels["ceiling, eager"]["gpu_kernel_ms_per_step"] == 0.15
+    assert "launch gaps 0.400 ms/step" in result["text"] and "Simulated GPU" in result["text"]
+    metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
+    assert metrics["ladder.ceiling_graphed_ms"] == 0.2 and metrics["change3.measured_ms"] == pytest.approx(3.1)
+    assert metrics["kernels.configured.launch_gap_ms"] == 0.4
+
+
+# ----------------------------------------------------------------------------- the tuner
+def test_the_entry_point_returns_the_objective_to_hydra(tiny_cfg, runs):
+    from trainer.__main__ import main
+    value = main(tiny_cfg())  # Hydra's decorator hands a given config straight to the task
+    assert value == runs()[0].data.metrics["throughput_samples_per_s"]
+    assert main(tiny_cfg("engine.objective=ms_per_step")) == runs()[0].data.metrics["ms_per_step"]
+    with pytest.raises(ConfigError, match="engine.objective must be one of .*: set engine.objective=throughput_samples_per_s"):
+        run(tiny_cfg("engine.objective=speed"))
+
+
+def test_loader_knobs_are_suggested_only_where_a_strategy_has_them():
+    optuna = pytest.importorskip("optuna")
+    from trainer.tools.tuning import loader_knobs
+
+    def knobs(loader, **fixed):
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
+        trial = study.ask()
+        trial.suggest_categorical("loader", [loader])
+        for key, value in fixed.items():
+            trial.set_user_attr(key, value)
+        loader_knobs(OmegaConf.create({"loader": {"name": "baseline"}}), trial)
+        return trial.params
+
+    gather = knobs("pinned_gather")
+    assert set(gather) == {"loader", "loader.depth", "loader.threads"}  # no DataLoader, so none of its knobs
+    pinned = knobs("pinned", **{"loader.num_workers": 2})  # fixed on the command line: left as it is
+    assert set(pinned) == {"loader", "loader.non_blocking", "loader.prefetch_factor", "loader.persistent_workers"}
+    assert set(knobs("baseline", **{"loader.num_workers": 0})) == {"loader"}  # without workers they change nothing
+
+
+def fail_the_second_trial(cfg, trial) -> None:
+    """The study test's search space: trial 1 asks for -1 DataLoader workers, which no run accepts."""
+    if trial.number == 1:
+        trial.suggest_categorical("loader.num_workers", [-1])
+    else:
+        trial.suggest_categorical("loader.drop_last", [False])
+
+
+def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, tracking_uri):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    cmd = [sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=3",
+           "hydra.sweeper.params.loader=baseline", "hydra.sweeper.custom_search_space=test_advise.fail_the_second_trial",
+           *TINY_NOOP, "engine.max_steps=4", f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri)
+    exp = client.get_experiment_by_name("tune_dataloader")
+    found = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in found if r.data.tags.get("sweep") == "true"]
+    trials = {r.data.tags["sweep.job"]: r for r in found if r is not parent}
+    assert sorted(trials) == ["0", "1", "2"] and trials["1"].info.status == "FAILED"
+    assert trials["0"].info.status == trials["2"].info.status == "FINISHED"
+    best = max((trials["0"], trials["2"]), key=lambda r: r.data.metrics["throughput_samples_per_s"])
+    assert parent.data.tags["best_run_id"] == best.info.run_id
+    assert f"best: job {best.data.tags['sweep.job']} (run {best.info.run_id}): throughput_samples_per_s=" in proc.stdout
+    results = OmegaConf.load(tmp_path / "multirun" / "optimization_results.yaml")  # Optuna's own answer agrees
+    assert results.best_value == pytest.approx(best.data.metrics["throughput_samples_per_s"])

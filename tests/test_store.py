@@ -1,0 +1,217 @@
+"""The store under stress: runs started at once into a store that does not exist yet, a store
+left half-made, and a store or artifact disk that fills or disappears while a run runs. Real
+processes and a real sqlite store; a full disk is a small tmpfs (skipped where mounting is not
+allowed)."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from clirun import LONG, TINY, all_runs, command, steps_csv, wait_for_running
+from disks import fill, small_tmpfs
+from trainer.errors import ConfigError
+from trainer.tracking import report
+from trainer.tracking.store import PER_STEP_METRICS, check_tracking_uri, mlflow_schemas
+
+_started = []
+
+
+def start(tmp_path: Path, uri: str, *overrides: str, run_dir: str = "hydra") -> subprocess.Popen:
+    args = [a if not a.startswith("hydra.run.dir=") else f"hydra.run.dir={tmp_path / run_dir}"
+            for a in command(tmp_path, uri, *overrides)]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _started.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes():
+    yield
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
+# -- a new store, opened by several runs at once ---------------------------------------------------
+# Each round starts eight processes (~7 s of CPU each): two rounds keep the test near a minute on
+# two cores; SOAK_ROUNDS=3 runs the three rounds of the acceptance.
+ROUNDS, AT_ONCE = int(os.environ.get("SOAK_ROUNDS", "2")), 8
+
+
+@pytest.mark.slow
+@pytest.mark.fresh_store
+def test_runs_started_at_once_into_a_new_store_all_finish(tmp_path):
+    """Eight `python -m trainer` started together into a store that does not exist yet (two
+    terminals on a fresh checkout, a submitit_local sweep), round after round: every run
+    FINISHED with all its metrics, and the store is healthy (MLflow's latest schema, no
+    half-done migration)."""
+    steps = 6  # TINY: 96 samples in batches of 16
+    for round_ in range(ROUNDS):
+        db = tmp_path / f"round{round_}" / "mlflow.db"
+        db.parent.mkdir()
+        uri = f"sqlite:///{db}"
+        procs = [start(db.parent, uri, *TINY, run_dir=f"hydra{i}") for i in range(AT_ONCE)]
+        outcomes = [(p.wait(timeout=600), p.communicate()[1]) for p in procs]
+        assert all(code == 0 for code, _ in outcomes), [err for code, err in outcomes if code]
+        assert all(err == "" for _, err in outcomes), outcomes  # no warning, no MLflow log line
+        runs = all_runs(uri)
+        assert len(runs) == AT_ONCE and {r.info.status for r in runs} == {"FINISHED"}
+        for r in runs:
+            assert r.data.metrics["total_steps"] == steps and r.data.metrics["throughput_samples_per_s"] > 0
+            history = MlflowClient(uri).get_metric_history(r.info.run_id, "step_ms")
+            assert [m.step for m in history] == list(range(1, steps + 1))
+        with contextlib.closing(sqlite3.connect(db)) as con:
+            tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            (revision,) = con.execute("SELECT version_num FROM alembic_version").fetchone()
+            assert con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert revision == mlflow_schemas()[0] and not [t for t in tables if t.startswith("_alembic_tmp_")]
+        check_tracking_uri(uri)  # and the next run takes it as it is
+
+
+def test_a_half_made_store_says_to_delete_it(tmp_path, empty_store):
+    """What runs racing through MLflow's migrations (before the lock) left behind: an older
+    schema stamp and a leftover `_alembic_tmp_*` table. `mlflow db upgrade` fails on it."""
+    db = tmp_path / "mlflow.db"
+    db.write_bytes(empty_store.read_bytes())
+    head, known = mlflow_schemas()
+    with contextlib.closing(sqlite3.connect(db)) as con, con:
+        con.execute("UPDATE alembic_version SET version_num = ?", (sorted(known - {head})[0],))
+        con.execute("CREATE TABLE _alembic_tmp_runs (run_uuid VARCHAR(32))")
+    uri = f"sqlite:///{db}"
+    with pytest.raises(ConfigError) as refused:
+        check_tracking_uri(uri)
+    assert re.fullmatch(rf"tracking\.uri={uri}: {db} was left half-made by MLflow's table migrations \(schema \w+, "
+                        rf"leftover tables _alembic_tmp_runs\) and holds no runs: delete it \(rm {db}\) and rerun, "
+                        r"which makes it anew", str(refused.value)), str(refused.value)
+    db.unlink()  # doing what it says works
+    check_tracking_uri(uri)
+    assert MlflowClient(uri).search_experiments()
+
+
+# -- the store or its disk fails mid-run -------------------------------------------------------------
+def one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def csv_steps(path: Path) -> list:
+    with path.open() as f:
+        return [int(row["step"]) for row in csv.DictReader(f)]
+
+
+def test_a_database_deleted_mid_run_keeps_the_exit_status_and_what_was_measured(tmp_path, tracking_uri):
+    db = Path(tracking_uri[len("sqlite:///"):])
+    proc = start(tmp_path, tracking_uri, *LONG)
+    (run,) = wait_for_running(tracking_uri, proc)
+    artifacts = Path(run.info.artifact_uri[len("file://"):])
+    db.unlink()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    summary = tmp_path / "hydra" / "summary.json"
+    assert re.fullmatch(re.escape(f"interrupted by SIGINT: run {run.info.run_id}: the store at {tracking_uri} refused its "
+                                  f"summary metrics, per-step metrics, tags and status (") + r"OperationalError: [^()]+"
+                        + re.escape(f"); summary metrics in {summary}; steps.csv in {artifacts}"), one_line(err))
+    measured = json.loads(summary.read_text())
+    steps = csv_steps(artifacts / "steps.csv")
+    assert len(steps) >= 10 and steps == list(range(1, len(steps) + 1))
+    assert measured["total_steps"] == len(steps) and measured["throughput_samples_per_s"] > 0
+    assert (artifacts / "timeline.png").stat().st_size > 0
+
+
+def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run_folder(tmp_path, empty_store):
+    with small_tmpfs(tmp_path / "store", "4m") as disk:
+        db = disk / "mlflow.db"
+        db.write_bytes(empty_store.read_bytes())
+        uri = f"sqlite:///{db}"
+        steps = 400
+        proc = start(tmp_path, uri, *LONG, f"engine.max_steps={steps}")
+        (run,) = wait_for_running(uri, proc, settle=0.5)
+        fill(disk)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0  # the run finished: the store failing to take it does not change that
+        line = one_line(err)
+        assert line.startswith(f"warning: run {run.info.run_id} finished, but the store at {uri} refused its ")
+        assert "database or disk is full" in line or "No space left on device" in line, line
+        folder = tmp_path / "hydra"
+        assert f"steps.csv in {folder / 'steps.csv'}" in line and "lost" not in line
+        assert csv_steps(folder / "steps.csv") == list(range(1, steps + 1))
+        if "summary metrics in" in line:  # else the store took them, before the disk was full
+            assert json.loads((folder / "summary.json").read_text())["total_steps"] == steps
+        else:
+            assert MlflowClient(uri).get_run(run.info.run_id).data.metrics["total_steps"] == steps
+
+
+def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(tmp_path, tracking_uri):
+    with small_tmpfs(tmp_path / "mlartifacts", "1m") as disk:  # where the store puts artifacts (beside the DB)
+        proc = start(tmp_path, tracking_uri, *LONG)
+        (run,) = wait_for_running(tracking_uri, proc)
+        fill(disk)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143
+    folder = tmp_path / "hydra"
+    assert one_line(err) == (f"interrupted by SIGTERM: run {run.info.run_id}: the store at {tracking_uri} refused its "
+                             f"steps.csv and timeline.png (OSError: No space left on device); steps.csv in "
+                             f"{folder / 'steps.csv'}")
+    steps = csv_steps(folder / "steps.csv")
+    recorded = MlflowClient(tracking_uri).get_run(run.info.run_id)
+    assert recorded.info.status == "KILLED" and recorded.data.tags["interrupted_by"] == "SIGTERM"
+    assert recorded.data.metrics["total_steps"] == len(steps) >= 10 and steps == list(range(1, len(steps) + 1))
+    history = MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "step_ms")
+    assert [m.step for m in history] == steps  # the per-step series reached the database
+
+
+# -- reading the store back ------------------------------------------------------------------------
+@pytest.mark.parametrize("make,uri,message", ids=["not a database", "a bare path", "a bare path to a folder"], argvalues=[
+    (lambda d: (d / "notes.txt").write_text("notes\n"), "sqlite:///{d}/notes.txt",
+     "error: --uri=sqlite:///{d}/notes.txt: {d}/notes.txt is not an SQLite database: pass --uri "
+     "sqlite:///<the MLflow database your runs are in>"),
+    (lambda d: None, "{store}", "error: --uri {store} is a path, not a URI: pass --uri sqlite:///{store}"),
+    (lambda d: None, "{d}", "error: --uri={d} is MLflow's file store, which MLflow 3 refuses unless "
+                            "MLFLOW_ALLOW_FILE_STORE=true is set: set --uri=sqlite:///{d}/mlflow.db (or export "
+                            "MLFLOW_ALLOW_FILE_STORE=true)"),
+])
+def test_report_checks_its_uri_as_the_trainer_checks_a_store(tmp_path, tracking_uri, make, uri, message):
+    make(tmp_path)
+    store = tracking_uri[len("sqlite:///"):]
+    uri = uri.format(d=tmp_path, store=store)
+    proc = subprocess.run([sys.executable, "-m", "trainer.report", "--uri", uri], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [message.format(d=tmp_path, store=store)]
+
+
+def test_report_shows_a_single_run_as_a_run(tiny_cfg, tracking_uri, capsys, tmp_path):
+    from trainer.loop.run import run
+    summary = run(tiny_cfg("loader=pinned"))
+    (only,) = all_runs(tracking_uri)
+    assert report.main(["--uri", tracking_uri, "--run", only.info.run_id, "--csv", str(tmp_path / "run.csv")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"run {only.info.run_id} (FINISHED): loader=pinned ")  # the end-of-run summary first
+    full = out.index(f"run {only.info.run_name!r}, all it recorded:")  # then every figure and param
+    assert out[full - 1] == "" and f"python -m trainer.report --run {only.info.run_id}" in "\n".join(out[:full])
+    assert re.fullmatch(r"  status +FINISHED", out[full + 1]) and out[full + 2] == "summary metrics:"
+    shown = dict(line.split() for line in out if line.startswith("  ") and len(line.split()) == 2)
+    assert float(shown["total_steps"]) == summary["total_steps"] == 6
+    assert shown["loader.name"] == "pinned" and shown["loader.batch_size"] == "16"
+    assert not set(PER_STEP_METRICS) & set(shown)  # a per-step series' last value is not the run's figure
+    rows = list(csv.DictReader((tmp_path / "run.csv").open()))
+    metric = {row["key"]: row["value"] for row in rows if row["section"] == "metric"}
+    assert float(metric["throughput_samples_per_s"]) == summary["throughput_samples_per_s"]  # full precision
