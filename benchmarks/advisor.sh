@@ -17,13 +17,13 @@ uri="sqlite:///$PWD/$store/mlflow.db"
 mnist="$store/data"
 [ -f "$mnist/MNIST/raw/train-images-idx3-ubyte" ] || python tests/fake_data.py mnist "$mnist" --n 60000 >/dev/null
 common=(--verify --steps 200)
-seed0=(experiment=bench_seed0 engine.device=cuda "tracking.uri=$uri")
+seed0=(experiment=bench_strategies engine.device=cuda "tracking.uri=$uri")
 python -m trainer.advise "${common[@]}" "${seed0[@]}" loader=baseline
 python -m trainer.advise "${common[@]}" "${seed0[@]}" loader=pinned
 python -m trainer.advise "${common[@]}" "${seed0[@]}" loader=pinned_chunk
 python -m trainer.advise "${common[@]}" "${seed0[@]}" loader=gpu_resident engine.cuda_graph=true
 python -m trainer.advise "${common[@]}" experiment=bench_compute_bound engine.device=cuda "tracking.uri=$uri"
-python -m trainer.advise "${common[@]}" experiment=seed003 loader=baseline loader.num_workers=0 engine.warmup_steps=50 \
+python -m trainer.advise "${common[@]}" experiment=mnist_mlp loader=baseline loader.num_workers=0 engine.warmup_steps=50 \
   "dataset.root=$PWD/$mnist" dataset.download=false engine.device=cuda "tracking.uri=$uri"
 python - "$uri" <<'PY' | tee outputs/advisor.md
 import sys
@@ -47,7 +47,7 @@ if [ "${1:-}" = "--window-cost" ]; then
   # The window runs after the timed region: engine ÷ plain loop should not move with it.
   for steps in 0 20; do
     python -m trainer.overhead --reference plain --method turns --repeats 1 --graph eager --loaders gpu_resident,pinned_chunk \
-      --markdown "outputs/advisor_window_$steps.md" experiment=bench_seed0 engine.device=cuda engine.max_steps=2000 \
+      --markdown "outputs/advisor_window_$steps.md" experiment=bench_strategies engine.device=cuda engine.max_steps=2000 \
       engine.kernel_window_steps=$steps
   done
   tail -n +1 outputs/advisor_window_0.md outputs/advisor_window_20.md

@@ -214,7 +214,7 @@ def _advise(tracking_uri, *overrides, verify=False):
 
 def test_a_loader_slowed_on_purpose_is_judged_input_and_recorded(tracking_uri):
     # Every batch is a chunk 'read from disk' in 40 ms; the ceiling uploads them once, up front.
-    result = _advise(tracking_uri, "loader=seed_iterable", "dataset.chunks=6", "dataset.load_ms=40", verify=True)
+    result = _advise(tracking_uri, "loader=iterable_chunks", "dataset.chunks=6", "dataset.load_ms=40", verify=True)
     assert result["bound"] == "input"
     top = result["changes"][0]
     assert top.overrides == ["loader=gpu_resident"] and top.predicted_ms < 10 and top.measured_ms < 10

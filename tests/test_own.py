@@ -127,7 +127,7 @@ def on_pythonpath(user_folder, monkeypatch):
 
 QUICK = ["engine.device=cpu", "engine.progress=false", "engine.warmup_steps=1", "loader.batch_size=8"]
 POINTS = ["dataset=custom", f"dataset._target_={MODULE}.points"]
-STRATEGIES = [s for s in LOADERS if s != "seed_iterable"]  # seed_iterable replays seed 000's synthetic draws
+STRATEGIES = [s for s in LOADERS if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 ONE_BLOCK = ["pinned_chunk", "pinned_gather", "pinned_uva", "gpu_resident"]
 
 

@@ -74,7 +74,10 @@ class Journal:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
-            self.flush()
+            try:
+                self.flush()
+            except OSError:  # a full or vanished disk: the journal stops; the run's own records say what failed
+                return
 
     def flush(self) -> None:
         """Append the steps ended since the last flush (no-op when there are none)."""
