@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -236,6 +237,27 @@ def test_an_armed_signal_is_raised_at_once_and_a_second_held_one_too():
             os.kill(os.getpid(), signal.SIGINT)  # again: stop now
             time.sleep(5)
             pytest.fail("the second signal did not stop")
+
+
+def test_a_signal_during_the_loops_garbage_collection_stops_the_run(tiny_cfg, runs):
+    """The loop collects the garbage before it starts; a signal handled inside a weakref callback
+    of that collection raised where Python drops the exception, and the run went on to its end."""
+    class Cycle:
+        pass
+
+    garbage = Cycle()
+    garbage.cycle = garbage  # only the cyclic collector frees it: at the loop's gc.collect()
+    weakref.finalize(garbage, os.kill, os.getpid(), signal.SIGINT)
+    del garbage
+    gc.disable()  # no automatic collection before the loop's own
+    try:
+        with pytest.raises(Interrupted) as stop:
+            run(tiny_cfg("engine.max_steps=1000", "engine.warmup_steps=1"))
+    finally:
+        gc.enable()
+    assert stop.value.exit_code == 130
+    (killed,) = runs()
+    assert killed.info.status == "KILLED" and killed.data.metrics["total_steps"] < 1000
 
 
 # -- GPU ---------------------------------------------------------------------------------------------

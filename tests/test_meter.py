@@ -235,6 +235,7 @@ def test_the_loop_does_not_import_the_turn_taking_harness():
 # ----------------------------------------------------------------------------- one summary
 def _row(step, wait, compute, total, lightning=None, h2d=0.0):
     row = {"step": step, "samples": 10, "data_wait_ms": wait, "compute_ms": compute, "step_ms": total,
+           "host_clock_s": float(step),
            "h2d_ms": h2d, "loss": float(step), "_bytes": 0, "_busy": None}
     if lightning is not None:
         row["lightning_ms"] = lightning

@@ -204,8 +204,10 @@ def test_report_shows_a_single_run_as_a_run(tiny_cfg, tracking_uri, capsys, tmp_
     (only,) = all_runs(tracking_uri)
     assert report.main(["--uri", tracking_uri, "--run", only.info.run_id, "--csv", str(tmp_path / "run.csv")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == f"run {only.info.run_name!r} ({only.info.run_id}, FINISHED) in {tracking_uri}"
-    assert re.fullmatch(r"  status +FINISHED", out[1]) and out[2] == "summary metrics:"
+    assert out[0].startswith(f"run {only.info.run_id} (FINISHED): loader=pinned ")  # the end-of-run summary first
+    full = out.index(f"run {only.info.run_name!r}, all it recorded:")  # then every figure and param
+    assert out[full - 1] == "" and f"python -m trainer.report --run {only.info.run_id}" in "\n".join(out[:full])
+    assert re.fullmatch(r"  status +FINISHED", out[full + 1]) and out[full + 2] == "summary metrics:"
     shown = dict(line.split() for line in out if line.startswith("  ") and len(line.split()) == 2)
     assert float(shown["total_steps"]) == summary["total_steps"] == 6
     assert shown["loader.name"] == "pinned" and shown["loader.batch_size"] == "16"

@@ -193,6 +193,7 @@ def _raise(err: BaseException):
 def cli() -> None:
     """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) and Hydra's own
     errors ending in one line."""
+    sys.argv = ["engine.quiet=true" if a in ("-q", "--quiet") else a for a in sys.argv]  # no end-of-run summary
     try:
         check_current_folder(sys.argv[1:])
         signal.signal(signal.SIGTERM, _terminate)

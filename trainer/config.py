@@ -204,6 +204,7 @@ class EngineConfig:
     warmup_steps: int = 5  # excluded from the summaries
     verify: bool = False  # checksum every batch on the device (tag data_checksum)
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
+    quiet: bool = False  # no summary on stderr when the run ends (`python -m trainer -q`)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around forward+loss (fp16 adds a gradient scaler)
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)

@@ -1,4 +1,4 @@
-"""`python -m trainer.report`: print a sweep's comparison again (see `trainer.tracking.report`)."""
+"""`python -m trainer.report`: print the latest run or sweep again (see `trainer.tracking.report`)."""
 
 from trainer.tracking.report import main
 

@@ -7,7 +7,7 @@ import sys
 
 from tqdm import tqdm
 
-from trainer.loop.faults import LossWatch
+from trainer.loop.faults import LossWatch, signals_after
 from trainer.loop.meter import StepMeter
 from trainer.loop.steps import make_step
 
@@ -29,7 +29,8 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None, 
     step, epoch, batches = 0, 0, None
     # The objects built so far (configs, MLflow, Hydra) live for the whole run: freeze them out of
     # the cyclic garbage collector, so its passes in the loop cost what they would in a bare script.
-    gc.collect()
+    with signals_after():  # Ctrl-C during the collection is raised after it, not dropped in a callback
+        gc.collect()
     gc.freeze()
     try:
         if warmup == 0:

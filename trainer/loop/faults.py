@@ -1,7 +1,8 @@
 """What stops a run part-way, turned into the exceptions of `trainer.errors`:
 
 - `StopSignals`: SIGINT and SIGTERM raise `Interrupted` while the run builds and trains, and wait
-  while it is opened and saved, so an interrupted run is always closed as KILLED with its steps;
+  while it is opened and saved, so an interrupted run is always closed as KILLED with its steps
+  (`signals_after`: they wait for the end of a block where Python would drop the exception);
 - `LossWatch`: a NaN/inf loss stops the run (`RunFailed` naming the step) without a per-step sync;
 - `explain_faults`: GPU or host out-of-memory and DataLoader worker failures become one-line `RunFailed`.
 """
@@ -85,6 +86,26 @@ class StopSignals:
                 os.write(2, b"feedbench: stopping once the run's records are written (signal again to stop at once)\n")
             return
         raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def signals_after() -> Iterator[None]:
+    """SIGINT and SIGTERM that come during the block are noted, and the first is raised again at
+    its end, for the handlers in place before. For a garbage collection: a handler run inside one
+    of its weakref callbacks raises where Python drops the exception ("Exception ignored in ..."),
+    and the run would go on as if no signal had come."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list = []
+    before = {s: signal.signal(s, lambda signum, frame: came.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
+        if came:
+            signal.raise_signal(came[0])  # its handler runs at once, here: outside the collection
 
 
 class LossWatch:

@@ -39,6 +39,7 @@ from trainer.tools.heap import steady_heap
 from trainer.tools.limits import h2d_bandwidth
 from trainer.tools.profiling import KernelWindow, StepProfiler, copy_overlap
 from trainer.tracking.journal import JOURNAL, Journal, owner_tags, recover_dead_runs
+from trainer.tracking.run_summary import tell
 from trainer.tracking.runs import Tracker
 from trainer.tracking.store import check_tracking_uri
 from trainer.validate import check_against_dataset, validate
@@ -118,6 +119,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
     finally:
         if journal is not None:  # the run is closed with its records: the journal was their fallback
             journal.path.unlink(missing_ok=True)
+    tell(cfg, tracker.run_id)  # what it found, on stderr, now that the run is closed (none if it failed)
     return summary
 
 

@@ -20,6 +20,10 @@ import math
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
+BLOCKS = 10  # blocks of consecutive steps for the interval of ms_per_step (fewer when fewer steps)
+# Student's t, 97.5th percentile, for 1..BLOCKS-1 degrees of freedom: a 95% interval from few blocks.
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+
 
 def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0.0,
               copy_spans: Optional[Sequence[Tuple[float, float]]] = ()) -> Dict[str, float]:
@@ -42,6 +46,7 @@ def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0
         "timed_wall_s": wall_s,
         "timed_steps": len(rows),
         "ms_per_step": wall_ms / steps,
+        **step_interval(rows, wall_s),
         "median_step_ms": med("step_ms"),
         "median_compute_ms": med("compute_ms"),
         "median_h2d_ms": med("h2d_ms"),
@@ -51,6 +56,22 @@ def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0
     if rows and "lightning_ms" in rows[0]:
         summary.update(lightning_fraction=total("lightning_ms") / wall_ms, median_lightning_ms=med("lightning_ms"))
     return summary
+
+
+def step_interval(rows: List[dict], wall_s: float) -> Dict[str, float]:
+    """`ms_per_step_ci_low/high`: the 95% interval of ms per step over `rows`, the timed steps,
+    which took `wall_s` seconds from the first one's wait (see the module's docstring); nan with
+    fewer than 2 steps."""
+    n = len(rows)
+    blocks = min(BLOCKS, n)
+    if blocks < 2:
+        return {"ms_per_step_ci_low": math.nan, "ms_per_step_ci_high": math.nan}
+    firsts = [round(b * n / blocks) for b in range(blocks + 1)]  # sizes differ by one step at most
+    starts = [rows[i]["host_clock_s"] for i in firsts[:-1]] + [rows[0]["host_clock_s"] + wall_s]
+    per_step = [(starts[b + 1] - starts[b]) * 1e3 / (firsts[b + 1] - firsts[b]) for b in range(blocks)]
+    half = T_975[blocks - 2] * statistics.stdev(per_step) / math.sqrt(blocks)
+    ms = wall_s * 1e3 / n  # centred on ms_per_step, the figure it qualifies
+    return {"ms_per_step_ci_low": ms - half, "ms_per_step_ci_high": ms + half}
 
 
 def median_of_timed(rows: List[dict], key: str) -> float:

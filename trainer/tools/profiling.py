@@ -45,6 +45,11 @@ class StepProfiler:
         activities = [ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(ProfilerActivity.CUDA)
+        else:
+            # Kineto, the profiler's C++ side, prints its start and stop on stderr and, without a GPU
+            # driver, "gpuGetDeviceCount failed": noise on a CPU run. It reads this when it first
+            # starts; 6 is above its highest level (a value the user set is kept).
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         active = min(active, max(1, skip - 1))
         wait = max(0, skip - active - 1)
         # The device is synced right before recording starts and right before it stops (on the

@@ -81,40 +81,69 @@ def timeline(rows: Sequence[dict], path: Path, warmup_steps: int = 0, title: str
 
 
 def comparison(rows: List[dict], label_keys: Sequence[str], path: Path, title: str = "") -> Path:
-    """Throughput per job (speedup vs its baseline written beside it) and where the wall time went."""
+    """`comparison_figure` saved at `path`."""
+    return _save(comparison_figure(rows, label_keys, title), path)
+
+
+def comparison_figure(rows: List[dict], label_keys: Sequence[str], title: str = "") -> Figure:
+    """Throughput per job (speedup vs its baseline written beside it) and where the wall time went.
+
+    One pair of panels per model, each on its own throughput axis: samples/s of different models
+    are not comparable. A speedup within noise is marked `~` and a degraded job (its strategy's
+    CPU path) is hatched and named, as in the table (`trainer.tracking.report`)."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get("model", ""), []).append(r)
+    fig = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 2) + 0.5 * (len(groups) - 1)), layout="constrained")
+    panels = fig.subplots(len(groups), 2, squeeze=False, sharey="row", width_ratios=[3, 2],
+                          height_ratios=[max(len(g), 1) for g in groups.values()])
+    for (model, group), (left, right) in zip(groups.items(), panels):
+        _throughput_panel(left, group, label_keys)
+        _time_panel(right, group)
+        if len(groups) > 1:
+            left.set_title(f"model={model}", loc="left", fontsize="medium")
+    panels[-1][0].set_xlabel("throughput (samples/s); ×speedup vs baseline (~: within noise)")
+    panels[-1][1].set_xlabel("fraction of timed wall time")
+    fig.legend(*panels[0][1].get_legend_handles_labels(), loc="outside lower right", fontsize="small", ncols=2)
+    fig.suptitle(title or "sweep comparison")
+    return fig
+
+
+def _value(r: dict, key: str) -> float:
+    v = r.get(key)
+    return float(v) if isinstance(v, (int, float)) and not math.isnan(v) else 0.0
+
+
+def _throughput_panel(ax, rows: List[dict], label_keys: Sequence[str]) -> None:
     labels = [" ".join(str(r.get(k, "")) for k in label_keys) or r["run_name"] for r in rows]
     ypos = list(range(len(rows)))[::-1]  # first job on top
-    fig = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 2)), layout="constrained")
-    left, right = fig.subplots(1, 2, sharey=True, width_ratios=[3, 2])
-
-    def value(r, key):
-        v = r.get(key)
-        return float(v) if isinstance(v, (int, float)) and not math.isnan(v) else 0.0
-
-    throughput = [value(r, "throughput_samples_per_s") for r in rows]
-    left.barh(ypos, throughput, color=COLOURS["throughput"])
+    throughput = [_value(r, "throughput_samples_per_s") for r in rows]
+    bars = ax.barh(ypos, throughput, color=COLOURS["throughput"])
     span = max(throughput, default=0.0) or 1.0
-    for y, r, t in zip(ypos, rows, throughput):
+    for bar, y, r, t in zip(bars, ypos, rows, throughput):
+        if r.get("degraded"):
+            bar.set(facecolor="#bbbbbb", hatch="//", edgecolor="#555555")
         if r["status"] != "FINISHED":
             note = r["status"]
         else:
             speedup = r.get("speedup_vs_baseline")
-            note = f"×{speedup:.2f}" if isinstance(speedup, float) else ""
-            if value(r, "h2d_GBps") > 0:
-                note += f"  {value(r, 'h2d_GBps'):.1f} GB/s"
-        left.text(t + 0.01 * span, y, note, va="center", fontsize="small",
-                  color="black" if r["status"] == "FINISHED" else "#d62728")
-    left.set_yticks(ypos, labels)
-    left.set_xlim(0, span * 1.3)
-    left.set_xlabel("throughput (samples/s); ×speedup vs baseline")
+            note = f"×{speedup:.2f}{'~' if r.get('speedup_within_noise') else ''}" if isinstance(speedup, float) else ""
+            if _value(r, "h2d_GBps") > 0:
+                note += f"  {_value(r, 'h2d_GBps'):.1f} GB/s"
+            if r.get("degraded"):
+                note += "  degraded: CPU path"
+        ax.text(t + 0.01 * span, y, note, va="center", fontsize="small",
+                color="black" if r["status"] == "FINISHED" else "#d62728")
+    ax.set_yticks(ypos, labels)
+    ax.set_xlim(0, span * 1.45)
 
+
+def _time_panel(ax, rows: List[dict]) -> None:
+    """Data wait and compute-stream span shares per job (no GPU bar for a job that ran on the CPU)."""
+    ypos = list(range(len(rows)))[::-1]
     height = 0.38
-    right.barh([y + height / 2 for y in ypos], [value(r, "data_wait_fraction") for r in rows], height,
-               color=COLOURS["data_wait_ms"], label="data_wait_fraction")
-    right.barh([y - height / 2 for y in ypos], [value(r, "compute_stream_span_fraction") for r in rows], height,
-               color=COLOURS["compute_ms"], label="compute_stream_span_fraction")
-    right.set_xlim(0, 1.05)
-    right.set_xlabel("fraction of timed wall time")
-    fig.legend(*right.get_legend_handles_labels(), loc="outside lower right", fontsize="small", ncols=2)
-    fig.suptitle(title or "sweep comparison")
-    return _save(fig, path)
+    ax.barh([y + height / 2 for y in ypos], [_value(r, "data_wait_fraction") for r in rows], height,
+            color=COLOURS["data_wait_ms"], label="data_wait_fraction")
+    ax.barh([y - height / 2 for y in ypos], [_value(r, "compute_stream_span_fraction") for r in rows], height,
+            color=COLOURS["compute_ms"], label="compute_stream_span_fraction")
+    ax.set_xlim(0, 1.05)

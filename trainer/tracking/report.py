@@ -1,10 +1,16 @@
-"""`python -m trainer.report`: compare the jobs of a sweep, read back from MLflow.
+"""`python -m trainer.report`: the latest run or sweep, read back from MLflow: a run's summary, or a
+comparison of a sweep's jobs.
 
 The comparison table built here is the one the sweep callback stores on the parent run as
 `comparison.csv`; both read the child runs' logged metrics, so the numbers are the runs' own.
 Each job's speedup is against the `baseline` job with the same other settings. Jobs whose timed
 regions ran at the same time on a device they share (a launcher that starts them all at once,
 as submitit_local does) are marked in the `overlap` column: their timings disturb each other.
+
+What the figures can be trusted for is said beside them: `ms_per_step_ci95` is the half-width
+of each job's 95% interval of ms per step (`trainer.loop.summary.step_interval`); a speedup
+whose interval includes 1 is marked `~` (not shown by these runs); the GPU's columns are blank
+for a job that ran on the CPU; a degraded job (a CUDA strategy that ran its CPU path) is marked.
 """
 
 from __future__ import annotations
@@ -23,21 +29,30 @@ from mlflow.tracking import MlflowClient
 
 from trainer.config import OBJECTIVES
 from trainer.errors import ConfigError
+from trainer.tracking.run_summary import describe
 from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
 
-METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "compute_stream_span_fraction", "data_wait_fraction",
-           "h2d_GBps", "host_page_faults_per_step", "host_cpu_ms_per_step")
+METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95",
+           "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step",
+           "host_cpu_ms_per_step")
 # Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
 PEAK = "h2d_peak_pinned_GBps"
 FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
+           "ms_per_step_ci95": "±{:.3f}",
            "compute_stream_span_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
            "plain_ms_per_step": "{:.3f}", "engine_vs_plain": "{:.2f}", PEAK: "{:.2f}"}
 BASELINE = "baseline"
 STRATEGY = "loader.name"
+GPU_ONLY = ("compute_stream_span_fraction", "h2d_GBps", PEAK)  # nothing to measure on the CPU: blank there
+WITHIN_NOISE = "~"  # after a speedup whose 95% interval includes 1
+LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval includes 1, so these runs do not show it",
+          "cpu": "blank compute_stream_span_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
+          "all_cpu": "no compute_stream_span_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
+          "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it"}
 
 
 # ----------------------------------------------------------------------------- reading MLflow
@@ -49,9 +64,11 @@ def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
     return MlflowClient(uri), uri
 
 
-def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None) -> Run:
-    """The sweep's parent run: `run_id` (a child's id leads to its parent), else the newest sweep
-    in `experiment` (default: in any experiment)."""
+def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None,
+                sweeps_only: bool = True) -> Run:
+    """The run to show: `run_id` (a sweep's job leads to its sweep's parent run), else the newest
+    sweep in `experiment` (default: in any experiment); with `sweeps_only=False`, the latest run
+    or sweep, whichever came last (a sweep's newest job leads to its sweep)."""
     if run_id:
         try:
             run = client.get_run(run_id)
@@ -66,12 +83,17 @@ def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: 
         ids = [exp.experiment_id]
     else:
         ids = [e.experiment_id for e in client.search_experiments()]
-    found = client.search_runs(ids, filter_string="tags.sweep = 'true'",
+    found = client.search_runs(ids, filter_string="tags.sweep = 'true'" if sweeps_only else "",
                                order_by=["attributes.start_time DESC"], max_results=1) if ids else []
     if not found:
-        raise ConfigError(f"no sweep in {'experiment ' + repr(experiment) if experiment else 'this store'}: "
-                          "run one with `python -m trainer -m loader=baseline,pinned` or pass --sweep RUN_ID")
-    return found[0]
+        where = f"experiment {experiment!r}" if experiment else "this store"
+        if sweeps_only:
+            raise ConfigError(f"no sweep in {where}: run one with `python -m trainer -m loader=baseline,pinned` "
+                              "or pass --sweep RUN_ID")
+        raise ConfigError(f"no run or sweep in {where}: run one with `python -m trainer` (a sweep: "
+                          "`python -m trainer -m loader=baseline,pinned`) or pass --run RUN_ID")
+    parent = found[0].data.tags.get("mlflow.parentRunId")
+    return client.get_run(parent) if parent else found[0]
 
 
 def children(client: MlflowClient, parent: Run) -> List[Run]:
@@ -121,11 +143,15 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
     rows: List[Dict[str, object]] = []
     for i, r in enumerate(runs):
         done = r.info.status == "FINISHED"
-        row: Dict[str, object] = {"job": r.data.tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
+        tags = r.data.tags
+        row: Dict[str, object] = {"job": tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
         row.update({column(k): r.data.params.get(k, "") for k in keys})
         row["status"] = r.info.status
+        row["degraded"] = "yes" if tags.get("degraded") == "true" else ""
+        row["device"], row["model"] = tags.get("device", ""), r.data.params.get("model.name", tags.get("model", ""))
         for m in METRICS + PLAIN + (PEAK,):
-            row[m] = r.data.metrics.get(m) if done else None
+            row[m] = r.data.metrics.get(m) if done and not (m in GPU_ONLY and row["device"] == "cpu") else None
+        row["ms_per_step_ci95"] = half_width(r.data.metrics) if done else None
         row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
         row["run_id"] = r.info.run_id
         rows.append(row)
@@ -137,8 +163,26 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
             if (b.data.params.get(STRATEGY) == BASELINE and b_row["throughput_samples_per_s"]
                     and [b.data.params.get(k) for k in others] == setting):
                 row["speedup_vs_baseline"] = row["throughput_samples_per_s"] / b_row["throughput_samples_per_s"]
+                row["speedup_within_noise"] = None if b_row is row else within_noise(row, b_row)
                 break
     return [column(k) for k in keys], rows
+
+
+def half_width(metrics: Dict[str, float]) -> Optional[float]:
+    """Half the width of the run's 95% interval of ms per step (None when it has none)."""
+    low, high = metrics.get("ms_per_step_ci_low"), metrics.get("ms_per_step_ci_high")
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return None
+    return (high - low) / 2
+
+
+def within_noise(row: dict, baseline: dict) -> Optional[bool]:
+    """Whether the 95% interval of `row`'s speedup over `baseline` includes 1 (None: a job has no
+    interval). The two runs' relative half-widths add in quadrature, on the log of the speedup."""
+    spread = [(r["ms_per_step_ci95"], r["ms_per_step"]) for r in (row, baseline)]
+    if any(h is None or not ms for h, ms in spread):
+        return None
+    return abs(math.log(row["speedup_vs_baseline"])) <= math.hypot(*(h / ms for h, ms in spread))
 
 
 def overlapping(runs: Sequence[Run]) -> Dict[str, List[str]]:
@@ -174,32 +218,53 @@ def metric_columns(rows: Sequence[dict]) -> List[str]:
 
 
 def header(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
-    return ["job", *keys, "status", *metric_columns(rows), "overlap", "run_name", "run_id"]
+    return ["job", *keys, "status", "degraded", *metric_columns(rows), "speedup_within_noise", "overlap",
+            "run_name", "run_id"]
 
 
 def _cell(key: str, value, exact: bool) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
+    if isinstance(value, bool):
+        return str(value).lower()
     if isinstance(value, float):
         return repr(value) if exact else FORMATS.get(key, "{:.4g}").format(value)
     return str(value)
 
 
+def _shown_cell(key: str, row: dict) -> str:
+    """A printed cell: rounded, and a speedup within noise marked."""
+    text = _cell(key, row.get(key), exact=False)
+    return f"{text} {WITHIN_NOISE}" if key == "speedup_vs_baseline" and row.get("speedup_within_noise") else text
+
+
 def shown(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
-    """The printed columns: run name and id are in the CSV; `overlap` only when a job has one."""
-    return [c for c in header(keys, rows)[:-2] if c != "overlap" or any(r.get("overlap") for r in rows)]
+    """The printed columns: run name and id are in the CSV, the noise is a mark on the speedup;
+    `degraded`, `overlap` and the GPU's columns only when a job has one."""
+    return [c for c in header(keys, rows)[:-2] if c != "speedup_within_noise" and
+            (c not in ("degraded", "overlap", *GPU_ONLY) or any(r.get(c) not in (None, "") for r in rows))]
+
+
+def legend(rows: Sequence[dict]) -> List[str]:
+    """One line per mark the table shows."""
+    on_cpu = any(r.get("device") == "cpu" and r.get("status") == "FINISHED" for r in rows)
+    gpu_columns = any(r.get(c) is not None for r in rows for c in GPU_ONLY)
+    marks = {"noise": any(r.get("speedup_within_noise") for r in rows),
+             "cpu": on_cpu and gpu_columns, "all_cpu": on_cpu and not gpu_columns,
+             "degraded": any(r.get("degraded") for r in rows)}
+    return [LEGEND[k] for k, shown_ in marks.items() if shown_]
 
 
 def format_table(keys: Sequence[str], rows: Sequence[dict]) -> str:
-    """An aligned plain-text table: text left, numbers right."""
+    """An aligned plain-text table (text left, numbers right) and the legend of its marks."""
     cols = shown(keys, rows)
-    cells = [[_cell(c, row.get(c), exact=False) for c in cols] for row in rows]
+    cells = [[_shown_cell(c, row) for c in cols] for row in rows]
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
     numeric = [c in FORMATS for c in cols]
 
     def line(values):
         return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(c) for c in cells])
+    return "\n".join([line(cols), line(["-" * w for w in widths])] + [line(c) for c in cells] + legend(rows))
 
 
 def to_csv(keys: Sequence[str], rows: Sequence[dict]) -> str:
@@ -217,8 +282,9 @@ def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
     cols = shown(keys, rows)
     lines = ["| " + " | ".join(cols) + " |",
              "|" + "|".join("---:" if c in FORMATS else "---" for c in cols) + "|"]
-    lines += ["| " + " | ".join(_cell(c, row.get(c), exact=False) for c in cols) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(_shown_cell(c, row) for c in cols) + " |" for row in rows]
+    notes = legend(rows)
+    return "\n".join(lines + ([""] + [f"{note}  " for note in notes] if notes else [])) + "\n"
 
 
 def best_trial(runs: Sequence[Run]) -> Optional[Dict[str, object]]:
@@ -294,9 +360,9 @@ def run_markdown(run: Run) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
     p.add_argument("--uri", help="MLflow tracking URI (default: the project's outputs/mlflow.db)")
-    p.add_argument("--experiment", help="look for the latest sweep in this experiment only")
+    p.add_argument("--experiment", help="look for the latest run or sweep in this experiment only")
     p.add_argument("--sweep", "--run", dest="sweep", metavar="RUN_ID",
-                   help="parent run id of the sweep, or one of its children (default: the latest sweep)")
+                   help="a run's id, a sweep's parent run id, or one of its jobs' (default: the latest run or sweep)")
     p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
     p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--plain", action="store_true",
@@ -305,7 +371,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         client, uri = open_store(args.uri)
-        parent = find_parent(client, args.experiment, args.sweep)
+        parent = find_parent(client, args.experiment, args.sweep, sweeps_only=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -315,7 +381,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         annotate(client, [parent] if single else children(client, parent), log=lambda line: print(line, file=sys.stderr))
     if single:
         run = client.get_run(parent.info.run_id)  # with what --plain logged
-        print(f"run {run.info.run_name!r} ({run.info.run_id}, {run.info.status}) in {uri}")
+        print(describe(run, uri))  # what it found, as the run printed it when it ended
+        print(f"\nrun {run.info.run_name!r}, all it recorded:")
         print(format_run(run))
         if args.csv:
             args.csv.write_text(run_csv(run))

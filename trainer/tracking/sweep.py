@@ -1,7 +1,8 @@
 """A Hydra multirun as one MLflow parent run with one nested child run per job.
 
-`SweepCallback` (registered under `hydra.callbacks` in conf/config.yaml) creates the parent run
-before the first job and hands its id to every job as the override
+`SweepCallback` (registered under `hydra.callbacks` in conf/config.yaml) first builds the
+datasets read from files that the jobs will use, once each: a missing one ends the sweep in one
+line before any job opens a run. It then creates the parent run before the first job and hands its id to every job as the override
 `tracking.parent_run_id='<id>'`. The id travels with each job's overrides, so it reaches the job
 whichever launcher runs it (in this process, a worker pool or a cluster). After the last job the
 parent gets `comparison.csv` and `comparison.png` (trainer.tracking.report builds the table) and is closed.
@@ -12,11 +13,14 @@ Under torchrun every rank runs the sweep; rank 0 alone records it (and the jobs'
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
@@ -25,12 +29,25 @@ from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
+from datasets import DATASETS
+from trainer.errors import EXIT_FAILED, ConfigError
 from trainer.loop import distributed, faults
 from trainer.tracking import plots, report
 from trainer.tracking.runs import child_identity, job_value
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten, store_errors
 
 PARENT_KEY = "tracking.parent_run_id"
+# Overrides that can change a job's dataset section: its own keys, and presets (which set any key).
+DATASET_KEYS = ("dataset", "experiment")
+OFFLINE = "python -m trainer.fake_data"  # writes MNIST- and CIFAR-format files of random pixels
+
+
+def _overrides(config: DictConfig) -> list:
+    """The multirun's overrides, parsed: `hydra.sweeper.params` first, then the command line's,
+    as Hydra's basic sweeper reads them."""
+    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
+    lines = [f"{k}={v}" for k, v in params.items()] + [str(o) for o in config.hydra.overrides.task]
+    return OverridesParser.create().parse_overrides(lines)
 
 
 def sweep_overrides(config: DictConfig) -> List[str]:
@@ -38,12 +55,46 @@ def sweep_overrides(config: DictConfig) -> List[str]:
     `hydra.sweeper.params` alike, as Hydra's basic sweeper combines them: a key given in both
     takes the command line's value at the params' place (`experiment=limits loader=baseline`
     sweeps the batch sizes only)."""
-    params = OmegaConf.select(config, "hydra.sweeper.params") or {}
-    lines = [f"{k}={v}" for k, v in params.items()] + [str(o) for o in config.hydra.overrides.task]
     final: Dict[str, object] = {}
-    for o in OverridesParser.create().parse_overrides(lines):
+    for o in _overrides(config):
         final[o.get_key_element()] = o   # a dict keeps the first place and takes the last value
     return [o.input_line for o in final.values() if o.is_sweep_override() and not o.is_hydra_override()]
+
+
+def dataset_settings(config: DictConfig) -> List[Tuple[str, ...]]:
+    """The distinct dataset-changing overrides (`DATASET_KEYS`) of the sweep's jobs, in job order,
+    as Hydra's basic sweeper makes each job's."""
+    jobs = BasicSweeper.split_arguments(_overrides(config), None)[0]
+    picked = [tuple(o for o in job if o.lstrip("+~").startswith(DATASET_KEYS)) for job in jobs]
+    return list(dict.fromkeys(picked))
+
+
+def check_datasets(config: DictConfig) -> None:
+    """Build each dataset read from files (a `root` in its Config) that the sweep's jobs will use,
+    once: a missing one (no network to download it) ends the sweep here, in one line, before any
+    job opens a run, instead of failing every job that uses it. A download made here serves them
+    all. Datasets made in memory (synthetic) are left to the jobs."""
+    loader = GlobalHydra.instance().config_loader()
+    try:
+        sections = [loader.load_sweep_config(config, list(o)).dataset for o in dataset_settings(config)]
+    except Exception:  # overrides Hydra cannot expand or compose: each job reports that itself
+        return
+    checked = set()
+    for section in sections:
+        cls = DATASETS.get(section.name)
+        if cls is None or "root" not in {f.name for f in dataclasses.fields(cls.Config)}:
+            continue  # an unknown name is the job's error to report; in-memory data is cheap to make there
+        key = OmegaConf.to_yaml(section, resolve=True)
+        if key in checked:
+            continue
+        checked.add(key)
+        try:
+            DATASETS.build(section)
+        except ConfigError as e:
+            if distributed.is_main_process():
+                print(f"error: {' '.join(str(e).split())} (the sweep ran no job; to try the presets without "
+                      f"network, `{OFFLINE}` writes MNIST- and CIFAR-format files of random pixels)", file=sys.stderr)
+            raise SystemExit(EXIT_FAILED) from None
 
 
 def swept_keys(overrides: Sequence[str]) -> List[str]:
@@ -119,6 +170,7 @@ class SweepCallback(Callback):
         self.uri: Optional[str] = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        check_datasets(config)  # on every rank: a missing dataset ends them all, printed once
         if not distributed.is_main_process():
             return
         overrides = sweep_overrides(config)
