@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The advisor on the GPU, with every recommendation verified (`python -m trainer.advise --verify`):
-# seed 000's workload fed by baseline, pinned and pinned_chunk (eager) and gpu_resident (graphed),
-# the compute-bound preset, and seed 003's MNIST MLP fed by the plain DataLoader (generated MNIST
+# the reference workload's workload fed by baseline, pinned and pinned_chunk (eager) and gpu_resident (graphed),
+# the compute-bound preset, and the MNIST MLP (mnist_mlp) fed by the plain DataLoader (generated MNIST
 # files: no download). Prints a table: the verdict, the top recommendation, and its predicted
 # against its measured ms/step. Meant to take under 5 minutes on an H100.
 #   bash benchmarks/advisor.sh                  # the six advisors and the table
