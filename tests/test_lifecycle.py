@@ -155,9 +155,10 @@ def test_a_run_uses_the_loop_chosen_by_the_config(monkeypatch, tiny_cfg):
 
 
 # -- a run killed outright ----------------------------------------------------------------------
-def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_run(tmp_path, tracking_uri):
-    """SIGKILL runs no `finally`: the next run on the store closes the dead one as KILLED with the
-    steps its journal had on disk, within `engine.journal_s` of the kill."""
+@pytest.mark.parametrize("next_command", ["report", "run"])
+def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_report_or_run(tmp_path, tracking_uri, next_command):
+    """SIGKILL runs no `finally`: the next report or run on the store closes the dead one as KILLED
+    with the steps its journal had on disk, within `engine.journal_s` of the kill."""
     import time
 
     from clirun import LONG, all_runs, command, run_cli, steps_csv
@@ -179,7 +180,11 @@ def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_run(tmp_path,
     (dead,) = all_runs(tracking_uri)
     assert dead.info.status == "RUNNING" and dead.data.tags["pid"] == str(proc.pid)
 
-    after = run_cli(tmp_path, tracking_uri, *TINY)
+    if next_command == "run":
+        after = run_cli(tmp_path, tracking_uri, *TINY)
+    else:
+        after = subprocess.run([sys.executable, "-m", "trainer.report", "--uri", tracking_uri], cwd=tmp_path,
+                               capture_output=True, text=True, timeout=300)
     assert after.returncode == 0, after.stderr
     assert f"run {dead.info.run_id} (pid {proc.pid}) ended without closing: marked KILLED" in after.stderr
     client = MlflowClient(tracking_uri)
@@ -189,7 +194,7 @@ def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_run(tmp_path,
     assert len(rows) == on_disk > 20 and [int(r["step"]) for r in rows] == list(range(1, on_disk + 1))
     assert dead.data.metrics["total_steps"] == on_disk and dead.data.metrics["timed_steps"] == on_disk - 2
     assert dead.data.metrics["ms_per_step"] > 15  # model.busy_ms=20 on the host
-    assert [r.info.status for r in all_runs(tracking_uri)] == ["KILLED", "FINISHED"]
+    assert [r.info.status for r in all_runs(tracking_uri)] == ["KILLED", "FINISHED"][:1 + (next_command == "run")]
 
 
 def test_a_run_of_another_host_or_a_live_process_is_left_alone(tiny_cfg, tracking_uri):
@@ -206,4 +211,7 @@ def test_a_run_of_another_host_or_a_live_process_is_left_alone(tiny_cfg, trackin
         client.create_run(exp, tags=tags)
     assert recover_dead_runs(client) == []
     assert {r.info.status for r in client.search_runs([exp])} == {"RUNNING"}
+    from trainer.tracking.journal import shown_status
+    assert sorted(shown_status(r) for r in client.search_runs([exp])) == [
+        "RUNNING", "RUNNING (on elsewhere: running elsewhere?)"]
 

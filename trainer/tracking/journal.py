@@ -58,6 +58,15 @@ def is_dead_here(tags: Dict[str, str]) -> bool:
     return start is None or (bool(tags.get("pid_start")) and start != tags["pid_start"])
 
 
+def shown_status(run) -> str:
+    """The run's status as a report shows it: a RUNNING run of another host may have died there,
+    which this host cannot tell."""
+    status, tags = run.info.status, run.data.tags
+    if status == "RUNNING" and tags.get("host") not in (None, socket.gethostname()):
+        return f"RUNNING (on {tags['host']}: running elsewhere?)"
+    return status
+
+
 class Journal:
     """Appends `rows(first)` (the host columns of steps `first+1 ..` ended so far) to `path` every
     `every_s` seconds, from a thread of its own; `close()` writes the rest and stops it."""

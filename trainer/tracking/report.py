@@ -29,6 +29,7 @@ from mlflow.tracking import MlflowClient
 
 from trainer.config import OBJECTIVES
 from trainer.errors import ConfigError
+from trainer.tracking.journal import recover_dead_runs, shown_status
 from trainer.tracking.run_summary import describe
 from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
 
@@ -146,7 +147,7 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
         tags = r.data.tags
         row: Dict[str, object] = {"job": tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
         row.update({column(k): r.data.params.get(k, "") for k in keys})
-        row["status"] = r.info.status
+        row["status"] = shown_status(r)
         row["degraded"] = "yes" if tags.get("degraded") == "true" else ""
         row["device"], row["model"] = tags.get("device", ""), r.data.params.get("model.name", tags.get("model", ""))
         for m in METRICS + PLAIN + (PEAK,):
@@ -322,7 +323,7 @@ def run_items(run: Run) -> List[Tuple[str, str, str]]:
     """(section, key, value) of a run: its status (and error), its summary metrics, its params.
     The per-step series' last values are left out: they are one step's, not the run's."""
     tags = run.data.tags
-    items = [("status", "status", run.info.status)]
+    items = [("status", "status", shown_status(run))]
     items += [("status", k, tags[k]) for k in ("error", "failed_step", "interrupted_by") if k in tags]
     items += [("metric", k, _cell(k, v, exact=False)) for k, v in sorted(run.data.metrics.items())
               if k not in PER_STEP_METRICS]
@@ -371,6 +372,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     try:
         client, uri = open_store(args.uri)
+        recover_dead_runs(client)  # runs of this host whose process died: KILLED, from their journals
         parent = find_parent(client, args.experiment, args.sweep, sweeps_only=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -25,6 +25,7 @@ from hydra.types import RunMode
 from mlflow.entities import Run
 from mlflow.tracking import MlflowClient
 
+from trainer.tracking.journal import shown_status
 from trainer.tracking.store import default_uri, shown
 
 UI = "http://127.0.0.1:5000"  # where `mlflow ui` listens by default
@@ -57,7 +58,7 @@ def describe(run: Run, uri: str) -> str:
     tags, m = run.data.tags, run.data.metrics
     device = tags.get("device", "?")
     how = "CUDA graph" if tags.get("cuda_graph") == "true" else "eager"
-    lines = [f"run {run.info.run_id} ({run.info.status}): loader={tags.get('strategy', '?')} "
+    lines = [f"run {run.info.run_id} ({shown_status(run)}): loader={tags.get('strategy', '?')} "
              f"dataset={tags.get('dataset', '?')} model={tags.get('model', '?')} on {device}, {how}, "
              f"{tags.get('loop', 'feedbench')} loop"]
     if tags.get("degraded") == "true":

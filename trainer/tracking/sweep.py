@@ -30,6 +30,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf, read_write
 
 from datasets import DATASETS
+from trainer.tracking.journal import owner_tags
 from trainer.errors import EXIT_FAILED, ConfigError
 from trainer.loop import distributed, faults
 from trainer.tracking import plots, report
@@ -109,7 +110,7 @@ def start_parent(tracking: DictConfig, name: str, keys: Sequence[str], tags: Dic
         client = MlflowClient(uri)
         exp_id = experiment_id(client, tracking.experiment, uri)
         run = client.create_run(exp_id, run_name=name[:250],
-                                tags={"sweep": "true", "sweep.keys": ",".join(keys), **tags})
+                                tags={"sweep": "true", "sweep.keys": ",".join(keys), **owner_tags(), **tags})
     return run.info.run_id
 
 
