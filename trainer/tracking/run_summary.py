@@ -41,10 +41,14 @@ def tell(cfg, run_id: Optional[str]) -> None:
         return
     uri = cfg.tracking.uri or default_uri()
     try:
-        text = describe(MlflowClient(uri).get_run(run_id), uri)
+        run = MlflowClient(uri).get_run(run_id)
     except Exception as e:  # the run is recorded; only reading it back for this summary failed
-        text = f"run {run_id} recorded; its summary could not be read back ({' '.join(str(e).split())[:200]})"
-    print(text, file=sys.stderr, flush=True)
+        print(f"run {run_id} recorded; its summary could not be read back ({' '.join(str(e).split())[:200]})",
+              file=sys.stderr, flush=True)
+        return
+    if run.info.status == "RUNNING":  # the store refused its closing records: that line already said where they went
+        return
+    print(describe(run, uri), file=sys.stderr, flush=True)
 
 
 def in_sweep() -> bool:
