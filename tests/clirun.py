@@ -35,6 +35,28 @@ def run_cli(tmp_path: Path, uri: str, *overrides: str, env: Optional[dict] = Non
                           timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
+_started: List[subprocess.Popen] = []  # processes `start` began, stopped by `stop_leftovers`
+
+
+def start(tmp_path: Path, uri: str, *overrides: str, run_dir: Optional[str] = None, **popen) -> subprocess.Popen:
+    """`python -m trainer` in the background (its Hydra folder `run_dir` inside `tmp_path`, if given)."""
+    args = command(tmp_path, uri, *overrides)
+    if run_dir is not None:
+        args = [a if not a.startswith("hydra.run.dir=") else f"hydra.run.dir={tmp_path / run_dir}" for a in args]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    _started.append(proc)
+    return proc
+
+
+def stop_leftovers() -> None:
+    """A test that fails half-way must not leave its `python -m trainer` running into the next one."""
+    while _started:
+        proc = _started.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+
+
 def error_line(proc: subprocess.CompletedProcess, pattern: str) -> re.Match:
     """The process failed with exit status 1 and exactly one `error:` line matching `pattern`,
     and no traceback."""

@@ -12,38 +12,23 @@ import subprocess
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from clirun import LONG, TINY, all_runs, at_the_loop, children_of, command, error_line, steps_csv, wait_for_running
+from clirun import (LONG, TINY, all_runs, at_the_loop, children_of, error_line, start, steps_csv, stop_leftovers,
+                    wait_for_running)
 from trainer.errors import Interrupted, RunFailed
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.run import run
 
 
-_started = []
-
-
-def start(tmp_path: Path, uri: str, *overrides: str, **popen) -> subprocess.Popen:
-    proc = subprocess.Popen(command(tmp_path, uri, *overrides), cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **popen)
-    _started.append(proc)
-    return proc
-
-
 @pytest.fixture(autouse=True)
 def _no_leftover_processes():
-    """A test that fails half-way must not leave its `python -m trainer` running into the next one."""
     yield
-    while _started:
-        proc = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+    stop_leftovers()
 
 
 def workers_of(pid: int, count: int = 1, timeout: float = 30) -> list:

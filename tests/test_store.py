@@ -20,31 +20,17 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from clirun import LONG, TINY, all_runs, command, steps_csv, wait_for_running
+from clirun import LONG, TINY, all_runs, start, stop_leftovers, wait_for_running
 from disks import fill, small_tmpfs
 from trainer.errors import ConfigError
 from trainer.tracking import report
 from trainer.tracking.store import PER_STEP_METRICS, check_tracking_uri, mlflow_schemas
 
-_started = []
-
-
-def start(tmp_path: Path, uri: str, *overrides: str, run_dir: str = "hydra") -> subprocess.Popen:
-    args = [a if not a.startswith("hydra.run.dir=") else f"hydra.run.dir={tmp_path / run_dir}"
-            for a in command(tmp_path, uri, *overrides)]
-    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _started.append(proc)
-    return proc
-
 
 @pytest.fixture(autouse=True)
 def _no_leftover_processes():
     yield
-    while _started:
-        proc = _started.pop()
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+    stop_leftovers()
 
 
 # -- a new store, opened by several runs at once ---------------------------------------------------
