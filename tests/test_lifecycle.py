@@ -115,6 +115,29 @@ def test_the_original_error_survives_a_device_that_cannot_be_read(monkeypatch, t
     assert len(_steps_csv(tracking_uri, r.info.run_id)) > 0
 
 
+# -- the run's scratch folder ------------------------------------------------------------------
+@pytest.mark.parametrize("fails", [False, True], ids=["finished", "failed"])
+def test_a_run_leaves_no_scratch_folder_behind(monkeypatch, tmp_path, tiny_cfg, runs, tracking_uri, fails):
+    """The profiler's trace is written to a scratch folder, saved with the run, and the folder goes
+    when the run closes, finished or failed: a machine running sweeps does not fill its /tmp."""
+    import tempfile
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    overrides = ["engine.profile=true", "engine.max_steps=8", "engine.warmup_steps=2"]
+    if fails:
+        monkeypatch.setattr(StepMeter, "finish", _device_cannot_be_read)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            run(tiny_cfg(*overrides))
+    else:
+        run(tiny_cfg(*overrides))
+    (r,) = runs()
+    assert r.info.status == ("FAILED" if fails else "FINISHED")
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("feedbench")] == []  # torch keeps its own caches there
+    saved = [a.path for a in MlflowClient(tracking_uri).list_artifacts(r.info.run_id)]
+    assert "steps.csv" in saved and (fails or any(p.endswith(".json") or "trace" in p for p in saved)), saved
+
+
 # -- a signal while the loader closes -----------------------------------------------------------
 def test_a_signal_while_the_loader_closes_keeps_the_run_finished(monkeypatch, tiny_cfg, runs, tracking_uri):
     """The loop has ended: a SIGINT while the loader's threads are joined waits until the records are

@@ -98,9 +98,12 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
     torch.manual_seed(cfg.engine.seed)
     # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
     journal = None
+    # The run's scratch folder (profiler traces, a remote store's journal): it outlives the MLflow
+    # run, whose files are saved when it closes, and goes with it.
     try:
-        with steady_heap(cfg.engine.steady_heap) as heap, _opened(cfg, ranks, device, heap) as (stop, tracker):
-            parts = build(cfg, job, device, ranks, tracker, on_timed_start)
+        with tempfile.TemporaryDirectory(prefix="feedbench-") as tmp, steady_heap(cfg.engine.steady_heap) as heap, \
+                _opened(cfg, ranks, device, heap) as (stop, tracker):
+            parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start)
             journal = _journal(parts, tracker) if ranks.is_main else None
             error = None
             try:
@@ -140,7 +143,8 @@ def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tupl
         yield stop, tracker
 
 
-def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start: Sequence[Callable] = ()) -> Parts:
+def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
+          on_timed_start: Sequence[Callable] = ()) -> Parts:
     """The parts, each from its own typed section of `job` (`validate`); checks that need the
     dataset come first."""
     mem_base = gpu_memory_baseline(device)
@@ -167,7 +171,6 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, on_timed_start:
                        seed=cfg.engine.seed, copies_ahead=cfg.loader.get("depth", 0) + 1, on_timed_start=on_timed_start)
     meter.setup_s = loader.setup_s
     loader.copy_probe = meter
-    tmp = Path(tempfile.mkdtemp(prefix="feedbench-"))
     return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
                  graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
                  profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
