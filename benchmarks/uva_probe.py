@@ -1,4 +1,4 @@
-"""GPU probe for `loader=pinned_uva` (issue 32). Run from the checkout's root:
+"""GPU probe for `loader=pinned_uva`. Run from the checkout's root:
 
     python -m benchmarks.uva_probe                 # all three parts, under 2 minutes on an H100
     python -m benchmarks.uva_probe --parts b       # only the bandwidth sweep
@@ -195,7 +195,7 @@ def part_c(steps: int, warmup: int) -> None:
         except (KeyError, TypeError, ZeroDivisionError):
             return None
     noop = found.get(("noop", "false", "pinned_uva", ()), {})
-    emit(part="c", variant="issue 32 acceptance",
+    emit(part="c", variant="targets",
          graphed_uva_over_gpu_resident=ratio("pinned_uva", "gpu_resident", "true"),  # <= 1.03
          eager_uva_over_pinned_chunk=ratio("pinned_uva", "pinned_chunk", "false"),  # <= 1.05
          host_cpu_uva_over_pinned_chunk=ratio("pinned_uva", "pinned_chunk", "false", "host_cpu_ms_per_step"),  # <= 1

@@ -6,8 +6,11 @@ import csv
 import io
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -342,6 +345,59 @@ def test_cuda_device_without_cuda_is_an_error(tiny_cfg):
         pytest.skip("this machine has CUDA")
     with pytest.raises(ConfigError, match="engine.device=cuda"):
         run(tiny_cfg("engine.device=cuda"))
+
+
+def _overhead_sh(tmp_path, *args):
+    """benchmarks/overhead.sh run in a copy of the project's layout, with `python` answering for
+    `trainer.overhead` (which needs a GPU): each call's arguments are logged and its --markdown
+    table written with one row naming the call's strategies and graph mode."""
+    (tmp_path / "benchmarks").mkdir(exist_ok=True)
+    shutil.copy(PROJECT_ROOT / "benchmarks" / "overhead.sh", tmp_path / "benchmarks")
+    shim = tmp_path / "bin" / "python"
+    shim.parent.mkdir(exist_ok=True)
+    shim.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import sys
+        args = sys.argv[1:]
+        open({str(tmp_path / "calls.log")!r}, "a").write(" ".join(args) + "\\n")
+        value = lambda flag: args[args.index(flag) + 1]
+        open(value("--markdown"), "w").write("| loader | graph |\\n|---|---|\\n| " + value("--loaders") + " | " + value("--graph") + " |\\n")
+        """))
+    shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{shim.parent}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(["bash", str(tmp_path / "benchmarks" / "overhead.sh"), *args], capture_output=True, text=True,
+                          env=env, timeout=60)
+    calls = (tmp_path / "calls.log").read_text().splitlines() if (tmp_path / "calls.log").exists() else []
+    return proc, calls
+
+
+def test_overhead_script_covers_every_strategy_eager_and_graphed(tmp_path):
+    """`bash benchmarks/overhead.sh` times every registered strategy, eager and graphed, each against
+    both references on the reference workload, and joins the parts' tables into one."""
+    proc, calls = _overhead_sh(tmp_path, "--quick")
+    assert proc.returncode == 0, proc.stderr
+    covered = set()
+    for call in calls:
+        args = call.split()
+        assert args[:2] == ["-m", "trainer.overhead"] and "--reference both" in call
+        assert "experiment=bench_strategies" in args and "engine.device=cuda" in args
+        graph = args[args.index("--graph") + 1]
+        for loader in args[args.index("--loaders") + 1].split(","):
+            covered |= {(loader, g) for g in (("eager", "graphed") if graph == "both" else (graph,))}
+    assert covered == {(name, g) for name in LOADERS for g in ("eager", "graphed")}
+    table = (tmp_path / "outputs" / "overhead_quick.md").read_text().splitlines()
+    assert table[:2] == ["| loader | graph |", "|---|---|"] and len(table) == 2 + len(calls)
+
+
+def test_overhead_script_runs_one_part_and_refuses_an_unknown_one(tmp_path):
+    proc, calls = _overhead_sh(tmp_path, "--quick", "--part", "graphed", "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr
+    (call,) = calls
+    assert "--graph graphed" in call and "--loaders pinned_chunk,gpu_resident,pinned_uva" in call and "--repeats 2" in call
+    assert (tmp_path / "outputs" / "overhead_quick.md").read_text().splitlines()[2] == "| pinned_chunk,gpu_resident,pinned_uva | graphed |"
+    proc, calls = _overhead_sh(tmp_path / "outputs", "--part", "graph")
+    assert proc.returncode == 2 and calls == []
+    assert proc.stderr.strip() == "error: --part graph is not a part: use one of dataloader, eager, gather, graphed"
 
 
 def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):

@@ -7,7 +7,7 @@ every `data_ptr()`; pageable memory is refused as "cannot be accessed from Trito
 
 The kernel runs on a bounded grid of `ctas` thread blocks; block p copies rows p, p + ctas,
 p + 2 * ctas, ... Each block mostly waits on PCIe reads while it holds its SM, so the number of
-blocks trades copy bandwidth against the step running beside it (issue 32, on an H100 with 64
+blocks trades copy bandwidth against the step running beside it (measured on an H100 with 64
 rows of 256 KiB: 4 blocks gathered at 39 GB/s and slowed a GPU-bound step by 1%; 8 blocks at
 50 GB/s, 6%; a full grid at 50 GB/s, 40%). Rows are moved as the widest integer lanes that
 divide them (8, 4, 2 or 1 bytes), so any dtype is copied bit for bit and a row whose size is a
