@@ -270,6 +270,11 @@ def copy_overlap(trace: Path) -> Dict[str, float]:
     same device, on any stream. A copy queued on the compute stream waits for that stream's
     kernels, so copies made in line with the step give ~0; copies on a side stream that run
     behind the step give close to 1.
+
+    `trace_kernel_busy_fraction` (when a kernel ran): the share of the traced span, from the
+    device's first copy or kernel to its last, during which a kernel ran. Well below 1, the
+    device waited for the host between steps: a copy then finds no kernel to hide behind,
+    wherever it is queued, and costs nothing either (the loop runs at the host's pace).
     """
     copies: Dict[object, List[Span]] = defaultdict(list)
     kernels: Dict[object, List[Span]] = defaultdict(list)
@@ -283,6 +288,13 @@ def copy_overlap(trace: Path) -> Dict[str, float]:
     result = {"trace_h2d_copies": float(sum(len(s) for s in copies.values()))}
     if total > 0:
         result["trace_h2d_overlap_fraction"] = hidden / total
+    busy = span = 0.0
+    for device, spans in kernels.items():
+        busy += _length(_union(spans))
+        every = spans + copies.get(device, [])
+        span += max(b for _, b in every) - min(a for a, _ in every)
+    if span > 0:
+        result["trace_kernel_busy_fraction"] = busy / span
     return result
 
 
