@@ -206,6 +206,17 @@ def test_changes_are_predicted_from_the_ladder_fastest_first():
     assert recommend(ladder(configured=1.02, ceiling_eager=1.0, feed=0.1), options[:1]) == []
 
 
+def test_the_advice_cautions_when_the_model_misses_the_run():
+    """A run that the rungs do not explain (here 184 ms/step where step and feed, one after the
+    other on a CPU, give 120.8) is said to be so; one they explain is not."""
+    missed = ladder(configured=184.0, ceiling_eager=120.3, feed=0.544, tolerance=0.2)
+    assert advisor.model_miss(missed) == pytest.approx(184.0 / (120.3 + 0.544) - 1)
+    text = advisor.render(missed, judge(missed), [], "CPU")
+    assert "caution: the run measured +52% against the model, more than the tolerance" in text
+    fits = ladder(configured=125.0, ceiling_eager=120.3, feed=0.544, tolerance=0.2)
+    assert "caution" not in advisor.render(fits, judge(fits), [], "CPU")
+
+
 # ----------------------------------------------------------------------------- the advisor, end to end
 def _advise(tracking_uri, *overrides, verify=False):
     cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}", *overrides)

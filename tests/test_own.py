@@ -485,12 +485,15 @@ def test_a_folder_without_images_is_one_line(tmp_path):
         build_dataset(job("dataset=image_folder").dataset)
 
 
-# -- the command line, as docs/own_training.md shows it ----------------------------------------------
+# -- the command line, as the README and docs/own_training.md show it ----------------------------------------------
 def doc_example():
-    """The user module and the command of docs/own_training.md."""
-    text = (PROJECT_ROOT / "docs" / "own_training.md").read_text()
+    """The user module and the command of the README's "Measure your own training"; docs/own_training.md
+    shows the same command."""
+    text = (PROJECT_ROOT / "README.md").read_text()
     module = re.search(r"```python\n# my_training.py\n(.*?)```", text, re.S).group(1)
     command = re.search(r"```bash\n(PYTHONPATH=.*?)```", text, re.S).group(1)
+    page = (PROJECT_ROOT / "docs" / "own_training.md").read_text()
+    assert re.search(r"```bash\n(PYTHONPATH=.*?)```", page, re.S).group(1) == command
     return module, " ".join(command.replace("\\\n", " ").split())
 
 

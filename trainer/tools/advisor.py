@@ -126,6 +126,12 @@ def modelled(ladder: Ladder) -> float:
     return predict(ladder.ceiling, ladder.feed, serial_share(ladder, ladder.strategy, ladder.graphed))
 
 
+def model_miss(ladder: Ladder) -> float:
+    """How far the configured run is from what the model gives for it (0.52: measured 52% above)."""
+    m = modelled(ladder)
+    return ladder.configured / m - 1 if math.isfinite(m) and m > 0 and math.isfinite(ladder.configured) else 0.0
+
+
 # ----------------------------------------------------------------------------- the verdict
 def judge(ladder: Ladder) -> Verdict:
     """What bounds the run: the removal that the ceilings say would save the most per step.
@@ -407,6 +413,11 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
                      f"{k['gpu_kernel_busy_fraction']:.2f} of the wall, launch gaps {k['launch_gap_ms']:.3f} ms/step, "
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
     lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}")
+    miss = model_miss(ladder)
+    if abs(miss) > ladder.tolerance:
+        lines.append(f"  caution: the run measured {miss:+.0%} against the model, more than the tolerance: the rungs "
+                     "do not explain it (the host's speed may have changed between them: run again on a quiet "
+                     "machine), so take the verdict and the predictions as leads")
     lines.append("")
     if changes:
         lines.append("changes (predicted ms/step):")
