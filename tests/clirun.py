@@ -131,6 +131,16 @@ def children_of(pid: int) -> List[int]:
     return [c for c in found if _read(f"/proc/{c}/cmdline") == command or b") Z " in _read(f"/proc/{c}/stat")]
 
 
+def wait_for_library(proc: subprocess.Popen, library: str, timeout: float = 120) -> None:
+    """Block until the process has mapped a shared library whose path contains `library` (Linux
+    /proc): it is importing the module that loads it, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    while library.encode() not in _read(f"/proc/{proc.pid}/maps"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{library} not loaded after {timeout} s"
+        time.sleep(0.005)
+
+
 def _read(path: str) -> bytes:
     try:
         return Path(path).read_bytes()
