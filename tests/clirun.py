@@ -16,6 +16,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from conftest import TINY  # noqa: F401  (re-exported for the tests)
+from trainer.tracking.journal import read_journal
 
 # Long enough to interrupt: 20 ms per step for thousands of steps.
 LONG = ["model=noop", "model.busy_ms=20", "dataset.num_samples=100000", "dataset.shape=[4,4]", "loader.batch_size=8",
@@ -86,19 +87,35 @@ def at_the_loop(run) -> bool:
     return run.info.status == "RUNNING" and "degraded" in run.data.tags
 
 
-def wait_for_running(uri: str, proc: subprocess.Popen, count: int = 1, timeout: float = 120, settle: float = 2.5):
-    """Block until `count` runs are RUNNING-or-done and the newest is RUNNING with its loader
-    built (`at_the_loop`), then `settle` seconds more: steps are taken meanwhile."""
+def journaled_steps(run) -> int:
+    """How many steps the run has measured, as far as its journal on disk shows (written every
+    `engine.journal_s`): proof that its loop is taking steps, however slow the machine."""
+    try:
+        return len(read_journal(Path(run.data.tags["journal"])))
+    except (KeyError, OSError):  # no journal yet, or gone with the closed run
+        return 0
+
+
+def has_steps(run, steps: int) -> bool:
+    """The run is at its loop (`at_the_loop`) and its journal holds at least `steps` steps."""
+    return at_the_loop(run) and (steps <= 0 or journaled_steps(run) >= steps)
+
+
+def wait_for_running(uri: str, proc: subprocess.Popen, count: int = 1, timeout: float = 180, steps: int = 1,
+                     settle: float = 0.0):
+    """Block until `count` runs are RUNNING-or-done and the newest is RUNNING at its loop with at
+    least `steps` steps in its journal (`has_steps`), then `settle` seconds more. A signal sent after
+    this finds the run taking steps, not still setting up, on a machine however slow."""
     MlflowClient(uri).search_experiments()  # create the store's tables before the child opens it
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         runs = [r for r in all_runs(uri) if r.data.tags.get("sweep") != "true"]
-        if len(runs) >= count and at_the_loop(runs[-1]):
+        if len(runs) >= count and has_steps(runs[-1], steps):
             time.sleep(settle)
             return runs
         time.sleep(0.2)
-    raise AssertionError(f"no RUNNING run at its loop after {timeout} s")
+    raise AssertionError(f"no RUNNING run with {steps} steps at its loop after {timeout} s")
 
 
 def children_of(pid: int) -> List[int]:
@@ -112,6 +129,16 @@ def children_of(pid: int) -> List[int]:
             pass
     command = Path(f"/proc/{pid}/cmdline").read_bytes()
     return [c for c in found if _read(f"/proc/{c}/cmdline") == command or b") Z " in _read(f"/proc/{c}/stat")]
+
+
+def wait_for_library(proc: subprocess.Popen, library: str, timeout: float = 120) -> None:
+    """Block until the process has mapped a shared library whose path contains `library` (Linux
+    /proc): it is importing the module that loads it, however slow the machine."""
+    deadline = time.monotonic() + timeout
+    while library.encode() not in _read(f"/proc/{proc.pid}/maps"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{library} not loaded after {timeout} s"
+        time.sleep(0.005)
 
 
 def _read(path: str) -> bytes:

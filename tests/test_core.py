@@ -313,15 +313,15 @@ def test_the_timed_region_ends_with_the_last_step_not_with_the_teardown():
                 for _ in range(100):
                     yield torch.ones(2, 3), torch.zeros(2)
             finally:
-                time.sleep(0.5)  # a slow close, after max_steps stops the pass half-way
+                time.sleep(1.0)  # a slow close, after max_steps stops the pass half-way
 
     cfg = OmegaConf.create({"max_steps": 12, "epochs": 1, "warmup_steps": 2, "progress": False, "optimizer": {"lr": 0.1}})
     meter = StepMeter(torch.device("cpu"), 2, capacity=12)
     start = time.perf_counter()
     assert train(lambda x, y: x.sum(), Loader(), meter, cfg) == 12
     summary = meter.finish().summary
-    assert time.perf_counter() - start >= 0.5 and summary["timed_steps"] == 10
-    assert summary["timed_wall_s"] < 0.25
+    assert time.perf_counter() - start >= 1.0 and summary["timed_steps"] == 10
+    assert summary["timed_wall_s"] < 1.0  # the close not timed; 10 tiny steps stay far below it on a loaded machine
 
 
 def test_warmup_is_excluded_from_summaries(tiny_cfg):

@@ -429,7 +429,7 @@ def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking
     closes the run FAILED with rank 1's error and the steps it measured."""
     proc = torchrun(tmp_path, tracking_uri, *LONG, "loader.num_workers=1", f"hydra.run.dir={tmp_path}/run",
                     start_new_session=True)
-    (r,) = wait_for_running(tracking_uri, proc, settle=3.5)
+    (r,) = wait_for_running(tracking_uri, proc)
     ranks = ranks_of(proc.pid)
     deadline = time.monotonic() + 60
     while not (workers := Path(f"/proc/{ranks[1]}/task/{ranks[1]}/children").read_text().split()):
@@ -450,7 +450,7 @@ def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking
 def test_ctrl_c_under_torchrun_marks_the_run_killed(tmp_path, tracking_uri):
     """torchrun forwards SIGINT to every rank: the run is KILLED with its steps, all ranks exit."""
     proc = torchrun(tmp_path, tracking_uri, *LONG, f"hydra.run.dir={tmp_path}/run", start_new_session=True)
-    (r,) = wait_for_running(tracking_uri, proc, settle=3.5)
+    (r,) = wait_for_running(tracking_uri, proc)
     ranks = ranks_of(proc.pid)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

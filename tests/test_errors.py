@@ -218,7 +218,9 @@ def test_unreachable_tracking_server_fails_fast(tmp_path):
     start = time.monotonic()
     proc = run_cli(tmp_path, uri, *TINY)
     error_line(proc, rf"tracking\.uri={uri} is unreachable \(.*\): start the MLflow server there, or set tracking\.uri=null")
-    assert time.monotonic() - start < 60  # not MLflow's minutes of retries
+    # Not MLflow's minutes of retries (7, each backing off twice as long); the bound leaves room for a
+    # loaded machine's slow imports.
+    assert time.monotonic() - start < 120
 
 
 def test_tracking_folder_missing(tmp_path):
@@ -394,11 +396,11 @@ def web_server(tmp_path, request):
 
 def test_a_server_that_is_not_mlflow_is_refused(tmp_path, web_server):
     start = time.monotonic()
-    proc = run_cli(tmp_path, web_server, *TINY, timeout=120)
+    proc = run_cli(tmp_path, web_server, *TINY)
     error_line(proc, rf"tracking\.uri={web_server} answers but is not an MLflow tracking server \(GET "
                      r"/api/2\.0/mlflow/experiments/get-by-name: HTTP 404, text/html\): give the address and port "
                      r"`mlflow server` listens on, or set tracking\.uri=null")
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 120  # not MLflow's minutes of retries (see above)
 
 
 @pytest.mark.parametrize("web_server", [AsksForCredentials], indirect=True)

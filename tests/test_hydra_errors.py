@@ -8,13 +8,12 @@ import dataclasses
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
 
-from clirun import TINY, all_runs, command, error_line, run_cli
+from clirun import TINY, all_runs, error_line, run_cli, start, stop_leftovers, wait_for_library
 from disks import fill, small_tmpfs
 from trainer.config import EngineConfig
 from trainer.tracking.report import find_parent
@@ -100,12 +99,18 @@ def test_a_full_disk_where_the_run_folder_goes_is_one_line(tmp_path, tracking_ur
 
 
 # -- Ctrl-C while Python starts ---------------------------------------------------------------------
-@pytest.mark.parametrize("after_s", [0.8, 1.5])
-def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, tracking_uri, after_s):
-    proc = subprocess.Popen(command(tmp_path, tracking_uri, *TINY), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    time.sleep(after_s)  # torch, MLflow and Hydra take seconds to import
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+# Sent once the process's memory map shows torch's own library, or numpy's (torch imports it later
+# on; an interrupt raised inside its initialisation became an ImportError traceback): both well
+# inside the seconds of imports, where a fixed delay could land in Python's own start-up instead.
+@pytest.mark.parametrize("library", ["libtorch_cpu", "_multiarray_umath"])
+def test_ctrl_c_while_importing_is_one_line_and_exit_130(tmp_path, tracking_uri, library):
+    proc = start(tmp_path, tracking_uri, *TINY)
+    try:
+        wait_for_library(proc, library)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        stop_leftovers()
     assert proc.returncode == 128 + signal.SIGINT
     assert err.splitlines() == ["interrupted by SIGINT while starting: nothing was run"]
     assert not Path(tracking_uri[len("sqlite:///"):]).with_name("hydra").exists()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from mlflow.tracking import MlflowClient
 
-from clirun import (LONG, TINY, all_runs, at_the_loop, children_of, error_line, start, steps_csv, stop_leftovers,
+from clirun import (LONG, TINY, all_runs, children_of, error_line, has_steps, start, steps_csv, stop_leftovers,
                     wait_for_running)
 from trainer.errors import Interrupted, RunFailed
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
@@ -31,7 +31,7 @@ def _no_leftover_processes():
     stop_leftovers()
 
 
-def workers_of(pid: int, count: int = 1, timeout: float = 30) -> list:
+def workers_of(pid: int, count: int = 1, timeout: float = 60) -> list:
     """The DataLoader workers of `pid`, once `count` exist (they start with each pass)."""
     deadline = time.monotonic() + timeout
     while len(found := children_of(pid)) < count and time.monotonic() < deadline:
@@ -77,7 +77,7 @@ def test_ctrl_c_in_a_terminal_stops_the_workers_too(tmp_path, tracking_uri):
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "Traceback" not in stderr, stderr
     assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGINT")
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 60  # generous: on a loaded machine the workers are scheduled late
     while time.monotonic() < deadline:  # every process of the group is gone
         try:
             os.killpg(proc.pid, 0)
@@ -146,14 +146,13 @@ def test_ctrl_c_stops_a_sweep_and_keeps_the_finished_jobs(tmp_path, tracking_uri
 
 
 # -- in one process ----------------------------------------------------------------------------------
-def signal_when_running(uri: str, sig: int, settle: float = 2.5) -> threading.Thread:
-    """Send `sig` to this process once a run is RUNNING at its loop (`at_the_loop`) and has had
-    `settle` seconds to take steps."""
+def signal_when_running(uri: str, sig: int, steps: int = 1) -> threading.Thread:
+    """Send `sig` to this process once a run is RUNNING at its loop with at least `steps` steps in
+    its journal (`has_steps`): however slow the machine, the signal finds the loop taking steps."""
     def watch():
         MlflowClient(uri).search_experiments()
-        while not [r for r in all_runs(uri) if at_the_loop(r)]:
+        while not [r for r in all_runs(uri) if has_steps(r, steps)]:
             time.sleep(0.2)
-        time.sleep(settle)
         os.kill(os.getpid(), sig)
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -189,7 +188,7 @@ def test_ctrl_c_stops_the_gather_threads_mid_gather(tiny_cfg, tracking_uri, runs
     gather_threads = lambda: {t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)}  # noqa: E731
     before = gather_threads()  # any of a loader another test left to the garbage collector
     cfg = tiny_cfg(*[o for o in LONG if o not in TINY], "loader=pinned_gather", "loader.threads=4", "model.busy_ms=2")
-    signal_when_running(tracking_uri, signal.SIGINT)
+    signal_when_running(tracking_uri, signal.SIGINT, steps=11)  # more than the 10 steps asserted below
     with pytest.raises(Interrupted) as stop:
         run(cfg)
     assert stop.value.exit_code == 130

@@ -182,22 +182,15 @@ def test_a_run_uses_the_loop_chosen_by_the_config(monkeypatch, tiny_cfg):
 def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_report_or_run(tmp_path, tracking_uri, next_command):
     """SIGKILL runs no `finally`: the next report or run on the store closes the dead one as KILLED
     with the steps its journal had on disk, within `engine.journal_s` of the kill."""
-    import time
-
-    from clirun import LONG, all_runs, command, run_cli, steps_csv
+    from clirun import LONG, all_runs, command, run_cli, steps_csv, wait_for_running
 
     proc = subprocess.Popen(command(tmp_path, tracking_uri, *LONG, "engine.journal_s=0.5"), cwd=tmp_path,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    journal = None
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # until its journal holds some steps
-        running = [r for r in all_runs(tracking_uri) if r.info.status == "RUNNING"]
-        journal = Path(running[0].data.tags["journal"]) if running and "journal" in running[0].data.tags else None
-        if journal is not None and journal.is_file() and len(journal.read_text().splitlines()) > 20:
-            break
-        time.sleep(0.2)
-    time.sleep(1.0)
-    proc.kill()
+    try:
+        (running,) = wait_for_running(tracking_uri, proc, steps=21)  # more than the 20 asserted below
+    finally:
+        proc.kill()
+    journal = Path(running.data.tags["journal"])
     proc.wait(timeout=30)
     on_disk = len(journal.read_text().splitlines()) - 1
     (dead,) = all_runs(tracking_uri)

@@ -246,7 +246,7 @@ def test_ctrl_c_leaves_a_killed_run_with_its_steps(tmp_path, tracking_uri):
     proc = subprocess.Popen(command(tmp_path, tracking_uri, *LONG, "engine.loop=lightning"), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        (r,) = wait_for_running(tracking_uri, proc, settle=4)  # the loop starts once Lightning has set up the fit
+        (r,) = wait_for_running(tracking_uri, proc)  # steps journaled: Lightning has set up the fit and is in its loop
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
     finally:
@@ -266,7 +266,7 @@ def test_sigterm_mid_fit_is_raised_again_and_leaves_nothing_behind(tiny_cfg, tra
     from clirun import children_of
     cfg = tiny_cfg(*[o for o in LONG if o not in TINY], "engine.loop=lightning", "loader.num_workers=2")
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    signal_when_running(tracking_uri, signal.SIGTERM, settle=4)
+    signal_when_running(tracking_uri, signal.SIGTERM)
     with pytest.raises(Interrupted) as stop:
         run(cfg)
     assert stop.value.exit_code == 143

@@ -219,10 +219,11 @@ def test_zero_warm_up_times_every_step(tiny_cfg, runs, capsys):
 
 def test_timed_start_hooks_run_after_the_warm_up_outside_the_timed_wall():
     calls = []
-    meter = StepMeter(CPU, 1, capacity=8, on_timed_start=[lambda: calls.append(meter.n), lambda: time.sleep(0.3)])
+    meter = StepMeter(CPU, 1, capacity=8, on_timed_start=[lambda: calls.append(meter.n), lambda: time.sleep(1.0)])
     _steps(meter, 4, start_timed_after=1)
     summary = meter.finish().summary
-    assert calls == [1] and summary["timed_steps"] == 3 and summary["timed_wall_s"] < 0.3
+    # The hook's second not timed; 3 tiny steps stay far below it on a loaded machine.
+    assert calls == [1] and summary["timed_steps"] == 3 and summary["timed_wall_s"] < 1.0
 
 
 def test_the_loop_does_not_import_the_turn_taking_harness():

@@ -105,7 +105,7 @@ def csv_steps(path: Path) -> list:
 def test_a_database_deleted_mid_run_keeps_the_exit_status_and_what_was_measured(tmp_path, tracking_uri):
     db = Path(tracking_uri[len("sqlite:///"):])
     proc = start(tmp_path, tracking_uri, *LONG)
-    (run,) = wait_for_running(tracking_uri, proc)
+    (run,) = wait_for_running(tracking_uri, proc, steps=10)  # the 10 steps asserted below, taken before the store goes
     artifacts = Path(run.info.artifact_uri[len("file://"):])
     db.unlink()
     time.sleep(1.0)
@@ -130,7 +130,7 @@ def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run
         uri = f"sqlite:///{db}"
         steps = 400
         proc = start(tmp_path, uri, *LONG, f"engine.max_steps={steps}")
-        (run,) = wait_for_running(uri, proc, settle=0.5)
+        (run,) = wait_for_running(uri, proc)  # journaled: its journal file is made before the disk fills
         fill(disk)
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0  # the run finished: the store failing to take it does not change that
@@ -149,7 +149,7 @@ def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run
 def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(tmp_path, tracking_uri):
     with small_tmpfs(tmp_path / "mlartifacts", "1m") as disk:  # where the store puts artifacts (beside the DB)
         proc = start(tmp_path, tracking_uri, *LONG)
-        (run,) = wait_for_running(tracking_uri, proc)
+        (run,) = wait_for_running(tracking_uri, proc, steps=10)  # the 10 steps asserted below
         fill(disk)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)

@@ -6,18 +6,15 @@ import csv
 import io
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
-import time
-from contextlib import closing
 from pathlib import Path
-from urllib.parse import urlparse
 
 import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from clirun import start, stop_leftovers, wait_for_running
 from trainer.tracking import report, sweep
 from trainer.errors import ConfigError
 from trainer.loop.run import run
@@ -288,44 +285,20 @@ def test_system_metrics_are_sampled_at_the_configured_interval(tiny_cfg, trackin
 
 def test_interrupted_sweep_closes_its_parent_as_killed_with_the_comparison(tmp_path, tracking_uri):
     # The first job would train for hours (5 ms a step); it is interrupted as soon as it trains.
-    cmd = [sys.executable, "-m", "trainer", "-m", "loader=baseline,pinned", "engine.device=cpu", "engine.epochs=100000",
-           "model.busy_ms=5", "dataset.num_samples=128", "dataset.shape=[8,8]", "engine.progress=false",
-           f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = start(tmp_path, tracking_uri, "-m", "loader=baseline,pinned", "engine.device=cpu", "engine.epochs=100000",
+                 "model.busy_ms=5", "dataset.num_samples=128", "dataset.shape=[8,8]", "engine.progress=false")
     try:
-        deadline = time.monotonic() + 120
-        while not _training_child(tracking_uri):
-            assert proc.poll() is None and time.monotonic() < deadline, "the first job never started"
-            time.sleep(0.5)
-        time.sleep(1.0)  # past building the dataset and loader: in the loop
+        wait_for_running(tracking_uri, proc)  # the first job has journaled steps: in its loop
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop_leftovers()
     assert proc.returncode == 130, err
     client, parent, children = parent_and_children(tracking_uri)
     assert parent.info.status == "KILLED"
     assert [r.info.status for r in children] == ["KILLED"]  # the second job never started
     rows = csv_rows(read_artifact(client, parent.info.run_id, "comparison.csv").decode())
     assert [(row["loader"], row["status"]) for row in rows] == [("baseline", "KILLED")]
-
-
-def _training_child(uri: str) -> bool:
-    """A child run is open and has logged `environment.json` (what comes before the loop).
-
-    Read-only, with sqlite itself: an MLflow client would create missing tables, racing the
-    sweep that is creating them."""
-    path = Path(uri[len("sqlite:///"):])
-    if not path.exists():
-        return False
-    try:
-        with closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            running = db.execute("SELECT r.artifact_uri FROM runs r JOIN tags t ON t.run_uuid = r.run_uuid "
-                                 "WHERE r.status = 'RUNNING' AND t.key = 'mlflow.parentRunId'").fetchall()
-    except sqlite3.Error:  # no tables yet
-        return False
-    return any((Path(urlparse(a).path) / "environment.json").exists() for (a,) in running)
 
 
 def test_timeline_draws_a_long_run_as_means_over_runs_of_steps(tmp_path):

@@ -12,7 +12,23 @@ import os
 import signal
 import sys
 
-try:  # a Ctrl-C in the first seconds lands in these imports (torch, MLflow): one line, no traceback
+# A Ctrl-C in the first seconds lands in these imports (torch, MLflow). Raised there, it can land
+# inside a compiled module's initialisation, which turns it into an ImportError (numpy: "cannot
+# load module more than once") or one that an optional import swallows (the run then went on to
+# its end): so it is only noted until the imports are done; a second one stops at once.
+_interrupted = []
+
+
+def _note_interrupt(signum, frame):
+    if _interrupted:
+        raise KeyboardInterrupt
+    _interrupted.append(signum)
+
+
+_at_start = signal.getsignal(signal.SIGINT)
+if _at_start is signal.default_int_handler:  # (not where SIGINT is ignored)
+    signal.signal(signal.SIGINT, _note_interrupt)
+try:  # one line, no traceback
     import hydra
     import hydra._internal.utils
     from hydra.core.hydra_config import HydraConfig
@@ -30,8 +46,11 @@ try:  # a Ctrl-C in the first seconds lands in these imports (torch, MLflow): on
     from trainer.loop.run import run
     from trainer.tools.turns import pause_if_asked
 except KeyboardInterrupt:
+    _interrupted.append(signal.SIGINT)
+if _interrupted:
     print("interrupted by SIGINT while starting: nothing was run", file=sys.stderr)
     raise SystemExit(128 + signal.SIGINT) from None
+signal.signal(signal.SIGINT, _at_start)
 
 
 NO_RUN = ("-h", "--help", "--hydra-help", "-i", "--info", "-c", "--cfg", "-sc", "--shell-completion")  # Hydra's: nothing is written
