@@ -50,8 +50,8 @@ class ImageFolderDataset(SampleDataset):
             raise ConfigError(f"dataset.num_samples={cfg.num_samples} but {root} holds {len(folder)} images: "
                               f"set dataset.num_samples=0 (all of them) or fewer")
         stored = torch.utils.data.Subset(folder, range(cfg.num_samples)) if cfg.num_samples else folder
-        self.images = _UnitFloat(stored)
         super().__init__(stored, f"dataset=image_folder (dataset.root={root})", len(folder.classes), cfg.read_workers)
+        self.images = _UnitFloat(self.samples)  # guarded: a file that fails to decode is named
 
     def per_sample(self) -> torch.utils.data.Dataset:
         return self.images

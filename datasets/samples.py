@@ -36,7 +36,7 @@ class SampleDataset(FeedDataset):
                  block: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
         """`samples`: the dataset as the block stores it; `what`: how messages name it
         (`dataset._target_=my_data.make`); `block`: the samples already as `(x, y)` tensors, if so."""
-        self.samples, self.what, self.read_workers, self.block = samples, what, read_workers, block
+        self.samples, self.what, self.read_workers, self.block = Guarded(samples, what), what, read_workers, block
         self.length = len(samples)
         if self.length < 1:
             raise ConfigError(f"{what} has no samples: give it at least one (and at least loader.batch_size)")
@@ -170,6 +170,43 @@ class _Rows:
             xs.append(x)
             ys.append(0 if y is None else int(y))
         return torch.stack(xs), torch.tensor(ys, dtype=torch.int64)
+
+
+class SampleError(RuntimeError):
+    """A sample that the dataset's own code failed to give, named in one line (with its file when
+    the dataset keeps one per sample, as torchvision's ImageFolder does)."""
+
+
+class Guarded(torch.utils.data.Dataset):
+    """`samples[i]`, where an exception raised by the dataset's code becomes a `SampleError` naming
+    the sample: in a DataLoader worker or in the run's process, the user learns which sample of
+    which dataset failed, and how, without a traceback through the loader."""
+
+    def __init__(self, samples, what: str):
+        self.samples, self.what = samples, what
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        try:
+            return self.samples[i]
+        except Exception as e:
+            file = _file_of(self.samples, i)
+            fix = "replace or remove that file" if file else "fix that sample, or leave it out of the dataset"
+            raise SampleError(f"{self.what}: sample {i}{file} raised {type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:300]}: {fix}") from e
+
+
+def _file_of(samples, i: int) -> str:
+    """` (path)` of sample `i` when the dataset keeps a file per sample (ImageFolder's `samples`)."""
+    while isinstance(samples, torch.utils.data.Subset):
+        samples, i = samples.dataset, samples.indices[i]
+    files = getattr(samples, "samples", None)
+    try:
+        return f" ({files[i][0]})" if isinstance(files[i][0], str) else ""
+    except (TypeError, IndexError, KeyError):
+        return ""
 
 
 class _Indexed(torch.utils.data.Dataset):

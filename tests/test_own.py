@@ -20,7 +20,7 @@ from datasets import DATASETS, build_dataset
 from models import build_model
 from trainer import memory
 from trainer.config import PROJECT_ROOT
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import LOADERS, build_loader
 from trainer.loop.run import run
 from trainer.loop.steps import EagerStep, GraphedStep, make_step
@@ -40,13 +40,16 @@ from torch import nn
 class Points(torch.utils.data.Dataset):
     """n samples of side x side float32 (numpy); y a Python int, or none; one sample larger at ragged_at."""
 
-    def __init__(self, n=44, side=4, classes=3, ragged_at=-1, labels=True):
+    def __init__(self, n=44, side=4, classes=3, ragged_at=-1, labels=True, broken_at=-1):
         self.n, self.side, self.classes, self.ragged_at, self.labels = n, side, classes, ragged_at, labels
+        self.broken_at = broken_at
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
+        if i == self.broken_at:
+            raise RuntimeError("disk on fire")
         side = self.side + (i == self.ragged_at)
         x = np.random.default_rng(i).random((side, side), dtype=np.float32)
         return (x, int(x.sum() * 7) % self.classes) if self.labels else x
@@ -473,6 +476,37 @@ def test_a_torchvision_model_needs_a_known_arch_and_images():
         job("model=torchvision", "model.arch=resnet1")
     with pytest.raises(ConfigError, match=r"^model=torchvision takes images, .* \(got samples of shape \[8, 8\]\)"):
         build_model(job("model=torchvision").model, (8, 8), 10)
+
+
+@pytest.mark.parametrize("strategy, workers, failed_step", [("baseline", 0, "3"), ("baseline", 2, "3"),
+                                                            ("gpu_resident", 0, None)])
+def test_a_sample_that_raises_is_named_in_one_line_with_the_step_it_stopped(strategy, workers, failed_step,
+                                                                             runs, tracking_uri):
+    """The dataset's own code fails on sample 20 (the third batch of 8, unshuffled): in the run's
+    process, in a DataLoader worker, or while a one-block strategy reads the data before the loop."""
+    with pytest.raises(RunFailed) as failed:
+        run(compose_config(*QUICK, *POINTS, "+dataset.broken_at=20", f"loader={strategy}", "loader.shuffle=false",
+                           f"loader.num_workers={workers}", "model=custom", f"model._target_={MODULE}.Net",
+                           "engine.max_steps=5", f"tracking.uri={tracking_uri}"))
+    assert str(failed.value) == (f"dataset._target_={MODULE}.points: sample 20 raised RuntimeError: disk on fire: "
+                                 f"fix that sample, or leave it out of the dataset")
+    (r,) = runs()
+    assert r.info.status == "FAILED" and r.data.tags.get("failed_step") == failed_step
+    assert r.data.metrics.get("total_steps") == (2 if failed_step else None)  # the two steps before it are kept
+
+
+def test_an_image_that_does_not_decode_is_named_in_one_line(tmp_path, tracking_uri):
+    paths = write_images(tmp_path / "images")
+    broken = paths[0].with_name("broken.jpg")
+    broken.write_bytes(b"not a JPEG" * 10)
+    proc = run_cli(tmp_path, tracking_uri, *QUICK, "dataset=image_folder", f"dataset.root={tmp_path / 'images'}",
+                   "dataset.size=16", "loader=gpu_resident", "loader.batch_size=2", "engine.max_steps=2")
+    assert proc.returncode == 1
+    (line,) = proc.stderr.strip().splitlines()
+    index = sorted([*paths, broken], key=lambda p: (p.parent.name, p.name)).index(broken)
+    assert line.startswith(f"error: dataset=image_folder (dataset.root={tmp_path / 'images'}): sample {index} "
+                           f"({broken}) raised UnidentifiedImageError: cannot identify image file")
+    assert line.endswith(": replace or remove that file (run " + line.split("(run ")[-1])
 
 
 def test_a_folder_without_images_is_one_line(tmp_path):

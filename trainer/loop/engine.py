@@ -50,6 +50,9 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None, 
                     x, y = next(batches)  # data_wait: the host blocks here until a batch is ready
                 except StopIteration:
                     break
+                except Exception as e:
+                    e.step = step + 1  # the step whose batch never came: the run's failed_step
+                    raise
                 if checksum is not None:
                     checksum.update(x, y)  # device-side hash, read after the loop
                 meter.step_begin(len(x))

@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from datasets.samples import SampleError
 from trainer.errors import Interrupted, RunFailed
 from trainer.loop.losslog import LOSS_BATCH
 
@@ -206,12 +207,18 @@ def explain_faults(cfg) -> Iterator[None]:
             raise RunFailed(f"out of host memory with loader={cfg.loader.name} loader.batch_size={b} "
                             f"model={cfg.model.name}: set loader.batch_size={max(1, b // 2)} or smaller, "
                             f"or a smaller dataset.num_samples") from e
+        step = getattr(e, "step", None)  # the step that never got its batch (the loop notes it)
+        if isinstance(e, SampleError):  # the dataset's own code failed on a sample
+            # From a DataLoader worker it arrives as "Caught SampleError in DataLoader worker
+            # process N.\nOriginal Traceback ...\ndatasets.samples.SampleError: <the line>".
+            line = text.splitlines()[-1].split("SampleError: ", 1)[-1] if "DataLoader worker" in text else text
+            raise RunFailed(line, step=step) from e
         if _worker_connection_broke(e):
             # The worker died while sending a batch: the main process's read of it fails before
             # PyTorch's SIGCHLD check can name the worker.
             raise RunFailed(f"a DataLoader worker failed with loader.num_workers={cfg.loader.num_workers}: the "
                             f"connection to a DataLoader worker broke while it sent a batch ({type(e).__name__}: "
-                            f"{e}): rerun with loader.num_workers=0 to see the error in the main process") from e
+                            f"{e}): rerun with loader.num_workers=0 to see the error in the main process", step=step) from e
         if "DataLoader worker" not in text:
             raise
         lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -219,7 +226,7 @@ def explain_faults(cfg) -> Iterator[None]:
         # Traceback ...\nX: message": keep the first and the last line.
         what = lines[0].rstrip(".") + (f" ({lines[-1]})" if len(lines) > 1 else "")
         raise RunFailed(f"a DataLoader worker failed with loader.num_workers={cfg.loader.num_workers}: {what}: "
-                        f"rerun with loader.num_workers=0 to see the error in the main process") from e
+                        f"rerun with loader.num_workers=0 to see the error in the main process", step=step) from e
 
 
 BUILDERS = ("build_dataset", "build_loader")  # what a run calls to allocate its data before the loop
