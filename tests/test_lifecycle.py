@@ -190,8 +190,9 @@ def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_report_or_run
         (running,) = wait_for_running(tracking_uri, proc, steps=21)  # more than the 20 asserted below
     finally:
         proc.kill()
-    journal = Path(running.data.tags["journal"])
+    journal, scratch = Path(running.data.tags["journal"]), Path(running.data.tags["scratch"])
     proc.wait(timeout=30)
+    assert scratch.is_dir()  # the killed run's scratch folder, left behind
     on_disk = len(journal.read_text().splitlines()) - 1
     (dead,) = all_runs(tracking_uri)
     assert dead.info.status == "RUNNING" and dead.data.tags["pid"] == str(proc.pid)
@@ -206,6 +207,7 @@ def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_report_or_run
     client = MlflowClient(tracking_uri)
     dead = client.get_run(dead.info.run_id)
     assert dead.info.status == "KILLED" and dead.data.tags["recovered"] == "true"
+    assert not scratch.exists()  # removed by the recovery
     rows = steps_csv(tracking_uri, dead.info.run_id)
     assert len(rows) == on_disk > 20 and [int(r["step"]) for r in rows] == list(range(1, on_disk + 1))
     assert dead.data.metrics["total_steps"] == on_disk and dead.data.metrics["timed_steps"] == on_disk - 2

@@ -171,6 +171,7 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
                        seed=cfg.engine.seed, copies_ahead=cfg.loader.get("depth", 0) + 1, on_timed_start=on_timed_start)
     meter.setup_s = loader.setup_s
     loader.copy_probe = meter
+    tracker.set_tags({"scratch": str(tmp)})  # removed at the close; a killed run's, by its recovery
     return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
                  graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
                  profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,

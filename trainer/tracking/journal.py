@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import math
 import os
+import shutil
 import socket
 import sys
 import threading
@@ -168,6 +169,7 @@ def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=No
             for i in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
                 client.log_batch(run_id, metrics=metrics[i:i + 1000], synchronous=True)
             client.log_artifact(run_id, str(_steps_csv(path.parent / "steps.csv", rows)))
+        _remove_scratch(tags.get("scratch", ""))
         client.set_tag(run_id, "recovered", "true")
         client.set_tag(run_id, "interrupted_by", "killed (process gone)")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED), end_time=end_ms)
@@ -175,6 +177,13 @@ def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=No
         log(f"feedbench: run {run_id} (pid {tags['pid']}) ended without closing: marked KILLED with the "
             f"{len(journal)} steps of its journal (tag recovered=true)")
     return recovered
+
+
+def _remove_scratch(folder: str) -> None:
+    """A killed run's scratch folder (its traces): nothing else would remove it. Only a folder the
+    run made (`feedbench-*`), whatever the tag says."""
+    if folder and Path(folder).name.startswith("feedbench-"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _steps_csv(out: Path, rows: List[dict]) -> Path:
