@@ -97,6 +97,22 @@ def test_more_workers_than_cores_warns_once_naming_the_core_count(monkeypatch, c
     assert caught == []
 
 
+def test_dataloader_keys_on_a_strategy_without_a_dataloader_are_said_to_change_nothing(monkeypatch, capsys):
+    """pinned_chunk and gpu_resident read the dataset themselves: workers asked of them are not
+    made (nor warned about as too many for the cores), and the user is told so in one line."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    validate(compose_config(*TINY, "loader=pinned_chunk", "loader.num_workers=8"))
+    assert capsys.readouterr().err == ("warning: loader=pinned_chunk has no DataLoader: loader.num_workers=8 changes "
+                                       "nothing in this run (DataLoader keys apply to loader=baseline, pinned, prefetch "
+                                       "and iterable_chunks)\n")
+    validate(compose_config(*TINY, "loader=gpu_resident", "loader.prefetch_factor=4", "loader.persistent_workers=true"))
+    assert "loader.prefetch_factor=4, loader.persistent_workers=True change nothing" in capsys.readouterr().err
+    for strategy in ("baseline", "pinned", "prefetch", "iterable_chunks"):
+        validate(compose_config(*TINY, f"loader={strategy}", "loader.num_workers=2", "loader.prefetch_factor=4"))
+    validate(compose_config(*TINY, "loader=pinned_uva"))
+    assert capsys.readouterr().err == ""
+
+
 # -- out of host memory -----------------------------------------------------------------------------
 def test_out_of_host_memory_while_building_the_dataset_leads_with_the_dataset(tiny_cfg):
     def build_dataset():  # as the run calls it: the failed allocation is the dataset's

@@ -100,7 +100,13 @@ def validate(cfg) -> Config:
     _check_keys(cfg, "")
     job = OmegaConf.to_object(cfg)  # runs every section's __post_init__ checks
     _check_sections(job)
-    warn_workers_beyond_cores(job.loader.num_workers)
+    unused = job.loader.unused_dataloader_keys()
+    if unused:
+        print(f"warning: loader={job.loader.name} has no DataLoader: {', '.join(unused)} "
+              f"{'changes' if len(unused) == 1 else 'change'} nothing in "
+              f"this run (DataLoader keys apply to loader=baseline, pinned, prefetch and iterable_chunks)", file=sys.stderr)
+    else:
+        warn_workers_beyond_cores(job.loader.num_workers)
     return job
 
 

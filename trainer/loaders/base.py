@@ -4,7 +4,7 @@ config keys common to all of them, and the registry each strategy file adds itse
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import ClassVar, Iterator, Optional, Tuple
 
 import torch
 from omegaconf import MISSING
@@ -30,6 +30,15 @@ class LoaderConfig:
     num_workers: int = 0  # DataLoader worker processes (DataLoader-based strategies)
     prefetch_factor: Optional[int] = None  # batches each worker loads ahead (None = torch default)
     persistent_workers: bool = False  # keep workers alive between epochs
+    uses_dataloader: ClassVar[bool] = False  # whether the three keys above mean anything to the strategy
+
+    def unused_dataloader_keys(self) -> list:
+        """The DataLoader keys set away from their defaults for a strategy that has no DataLoader."""
+        if self.uses_dataloader:
+            return []
+        found = {"num_workers": self.num_workers != 0, "prefetch_factor": self.prefetch_factor is not None,
+                 "persistent_workers": self.persistent_workers}
+        return [f"loader.{k}={getattr(self, k)}" for k, v in found.items() if v]
 
     def __post_init__(self):
         at_least("loader.batch_size", self.batch_size, 1, 64)

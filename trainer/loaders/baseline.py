@@ -13,6 +13,7 @@ class BaselineLoader(DeviceLoader):
         """DataLoader batches in pageable memory, blocking `.to(device)`: what most loops do."""
 
         name: str = "baseline"
+        uses_dataloader = True
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)

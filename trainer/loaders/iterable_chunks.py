@@ -45,6 +45,7 @@ class IterableChunksLoader(DeviceLoader):
         """A DataLoader over an IterableDataset that reloads random chunks every pass (dataset=synthetic only)."""
 
         name: str = "iterable_chunks"
+        uses_dataloader = True
         variant: str = "pin_batches"  # no_pinning | copy_in_loader | pin_batches | pin_chunk: how batches are pinned and copied
 
         def __post_init__(self):

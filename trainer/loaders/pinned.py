@@ -20,6 +20,7 @@ class PinnedLoader(DeviceLoader):
         """DataLoader(pin_memory=True), `.to(device, non_blocking=True)` on the compute stream."""
 
         name: str = "pinned"
+        uses_dataloader = True
         non_blocking: bool = True  # false: blocking `.to(device)` of the pinned batch, as a plain `.cuda()`
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):

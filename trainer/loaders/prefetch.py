@@ -18,6 +18,7 @@ class PrefetchLoader(DeviceLoader):
         """Pinned DataLoader batches copied on a side CUDA stream, `depth` batches ahead of the step."""
 
         name: str = "prefetch"
+        uses_dataloader = True
         depth: int = 1  # batches copied ahead on the side stream
 
         def __post_init__(self):
