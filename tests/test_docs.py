@@ -311,6 +311,9 @@ def test_the_readme_sweep_prints_the_table_the_readme_shows(readme_sweep):
     printed = table_rows(proc.stdout)
     assert printed[0] == shown[0]  # the header
     assert [row[:3] for row in printed[1:]] == [row[:3] for row in shown[1:]]  # job, loader, status
+    # On the CPU both GPU strategies ran their CPU path: no job is crowned best over the baseline.
+    assert proc.stdout.splitlines()[-1] == ("best: none: jobs 1, 2 are degraded (no CUDA: the CPU path ran, not the "
+                                            "strategy named), so job 0 alone measured what it names: nothing to rank")
 
 
 def test_the_report_command_prints_the_latest_sweep_again(readme_sweep):
