@@ -351,6 +351,19 @@ def test_help_lists_every_option_with_its_line_and_hides_the_internal_groups(tmp
         assert internal not in out
 
 
+def test_a_preset_line_is_its_first_sentence_whole_never_cut_mid_parenthesis(tmp_path):
+    tune = preset_line(CONF_DIR / "experiment" / "tune_dataloader.yaml")
+    assert tune == ("The tuner: Hydra's Optuna sweeper picks the strategy and its knobs (DataLoader workers, "
+                    "prefetch_factor, persistent workers; non_blocking; depth; threads) that maximise engine.objective "
+                    "(throughput_samples_per_s by default), one job at a time.")
+    preset = tmp_path / "p.yaml"
+    preset.write_text("# @package _global_\n# Does it copy (e.g. on a side\n# stream)? It does.\n#   python -m trainer\n")
+    assert preset_line(preset) == "Does it copy (e.g. on a side stream)?"
+    preset.write_text("# @package _global_\n# One line, no stop\n#\n# Another paragraph.\nloader: x\n")
+    assert preset_line(preset) == "One line, no stop"
+    assert first_sentence("A (b. c) d. E.") == "A (b. c) d."
+
+
 def test_the_own_loop_snippet_runs_as_written():
     """The README's snippet, exactly as printed (docs/own_loop.md shows the same text), on this machine's
     device: the CPU here, the GPU where there is one."""
