@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -251,11 +252,21 @@ def test_a_loader_slowed_on_purpose_is_judged_input_and_recorded(tracking_uri):
 
 def test_a_busy_model_is_judged_compute(tracking_uri, capsys):
     assert advisor.main(["--steps", "3", *TINY_NOOP, "model.busy_ms=150", f"tracking.uri={tracking_uri}"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.startswith("bound: compute — ") and "changes: none predicted" in out
     (advice,) = [r for r in MlflowClient(tracking_uri).search_runs(["0", *_experiments(tracking_uri)])
                  if r.data.tags.get("advise") == "true"]
     assert advice.data.tags["bound"] == "compute"
+    # On stderr: one progress line per rung (the rungs are quiet runs: no summary of their own),
+    # and the warning of a rung that ran a CUDA strategy's CPU path.
+    rungs = MlflowClient(tracking_uri).search_runs([advice.info.experiment_id],
+                                                  f"tags.`mlflow.parentRunId` = '{advice.info.run_id}'")
+    err = captured.err.splitlines()
+    assert err[0] == f"advise: measuring the ladder (3 timed steps a rung; runs nested under {advice.info.run_id})"
+    progress = [line for line in err[1:] if not line.startswith("warning: no CUDA for loader=")]
+    assert sorted(line.split(":")[0].strip() for line in progress) == sorted(r.info.run_name[len("advise: "):] for r in rungs)
+    assert all(re.fullmatch(r"  .+: \d+\.\d{3} ms/step \(\d+ s\)", line) for line in progress), progress
 
 
 def _experiments(uri):

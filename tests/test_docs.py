@@ -311,6 +311,9 @@ def test_the_readme_sweep_prints_the_table_the_readme_shows(readme_sweep):
     printed = table_rows(proc.stdout)
     assert printed[0] == shown[0]  # the header
     assert [row[:3] for row in printed[1:]] == [row[:3] for row in shown[1:]]  # job, loader, status
+    # On the CPU both GPU strategies ran their CPU path: no job is crowned best over the baseline.
+    assert proc.stdout.splitlines()[-1] == ("best: none: jobs 1, 2 are degraded (no CUDA: the CPU path ran, not the "
+                                            "strategy named), so job 0 alone measured what it names: nothing to rank")
 
 
 def test_the_report_command_prints_the_latest_sweep_again(readme_sweep):
@@ -346,6 +349,19 @@ def test_help_lists_every_option_with_its_line_and_hides_the_internal_groups(tmp
         assert re.search(rf"^  {preset} +{re.escape(preset_line(CONF_DIR / 'experiment' / f'{preset}.yaml'))}$", out, re.M)
     for internal in ("copy_mode", "pin_memory_cifar_setting", "config_schema", "schema/", "hydra/"):
         assert internal not in out
+
+
+def test_a_preset_line_is_its_first_sentence_whole_never_cut_mid_parenthesis(tmp_path):
+    tune = preset_line(CONF_DIR / "experiment" / "tune_dataloader.yaml")
+    assert tune == ("The tuner: Hydra's Optuna sweeper picks the strategy and its knobs (DataLoader workers, "
+                    "prefetch_factor, persistent workers; non_blocking; depth; threads) that maximise engine.objective "
+                    "(throughput_samples_per_s by default), one job at a time.")
+    preset = tmp_path / "p.yaml"
+    preset.write_text("# @package _global_\n# Does it copy (e.g. on a side\n# stream)? It does.\n#   python -m trainer\n")
+    assert preset_line(preset) == "Does it copy (e.g. on a side stream)?"
+    preset.write_text("# @package _global_\n# One line, no stop\n#\n# Another paragraph.\nloader: x\n")
+    assert preset_line(preset) == "One line, no stop"
+    assert first_sentence("A (b. c) d. E.") == "A (b. c) d."
 
 
 def test_the_own_loop_snippet_runs_as_written():

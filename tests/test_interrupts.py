@@ -23,6 +23,7 @@ from trainer.errors import Interrupted, RunFailed
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.run import run
+from trainer.tracking.run_summary import describe, figures
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +65,9 @@ def test_signal_mid_run_marks_the_run_killed_and_keeps_its_steps(tmp_path, track
     _, stderr = proc.communicate(timeout=60)  # returns only once every thread has stopped
     assert proc.returncode == code, stderr
     assert "Traceback" not in stderr
-    assert f"interrupted by {sig.name}: run {r.info.run_id} marked KILLED, what it measured is saved" in stderr
+    closed = MlflowClient(tracking_uri).get_run(r.info.run_id)
+    assert stderr.endswith(f"{describe(closed, tracking_uri)}\n"  # its summary, as a finished run's, then how it ended
+                           f"interrupted by {sig.name}: run {r.info.run_id} marked KILLED, what it measured is saved\n")
     assert_killed_with_steps(tracking_uri, r.info.run_id, sig.name)
 
 
@@ -175,6 +178,25 @@ def test_interrupted_run_leaves_no_workers_threads_or_handlers(tiny_cfg, trackin
     assert not [t for t in threading.enumerate() if t.name.startswith("chunk-load")]
     (r,) = runs()
     assert_killed_with_steps(tracking_uri, r.info.run_id, "SIGTERM")
+
+
+@pytest.mark.parametrize("warmup,steps", [pytest.param(2, 5, id="timed"), pytest.param(100000, 3, id="in-warm-up")])
+def test_an_interrupted_run_prints_the_summary_of_what_it_measured(tiny_cfg, tracking_uri, runs, capsys, warmup, steps):
+    cfg = tiny_cfg(*[o for o in LONG if o not in TINY], f"engine.warmup_steps={warmup}")
+    signal_when_running(tracking_uri, signal.SIGINT, steps=steps)
+    with pytest.raises(Interrupted):
+        run(cfg)
+    (r,) = runs()
+    summary = describe(r, tracking_uri)  # what `python -m trainer.report --run` prints too
+    assert capsys.readouterr().err.endswith(summary + "\n")
+    lines, m = summary.splitlines(), r.data.metrics
+    assert lines[0] == (f"run {r.info.run_id} (KILLED): loader=baseline dataset=synthetic model=noop on cpu, eager, "
+                        "feedbench loop")
+    if warmup == 2:  # the figures of the steps timed before the interrupt
+        assert m["timed_steps"] >= 3 and lines[1] == f"  {figures(m)}" and lines[2].startswith("  bound by: ")
+    else:
+        assert lines[1] == (f"  no timed steps: interrupted (SIGINT) after {int(m['total_steps'])} of its 100000 "
+                            "warm-up steps, before its timed region began")
 
 
 def test_ctrl_c_stops_the_gather_threads_mid_gather(tiny_cfg, tracking_uri, runs, monkeypatch):

@@ -215,6 +215,27 @@ def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_report_or_run
     assert [r.info.status for r in all_runs(tracking_uri)] == ["KILLED", "FINISHED"][:1 + (next_command == "run")]
 
 
+def test_a_dead_sweeps_parent_is_recovered_in_words_true_of_a_parent(tracking_uri):
+    from trainer.tracking.journal import owner_tags, recover_dead_runs
+
+    client = MlflowClient(tracking_uri)
+    exp = client.create_experiment("e")
+    dead = {**owner_tags(), "pid": "999999999"}
+    parent = client.create_run(exp, tags={**dead, "sweep": "true"}).info.run_id
+    advice = client.create_run(exp, tags={**dead, "advise": "true"}).info.run_id
+    early = client.create_run(exp, tags=dead).info.run_id  # died before its loop: no journal
+    said = []
+    assert sorted(recover_dead_runs(client, log=said.append)) == sorted([parent, advice, early])
+    ended = "(pid 999999999) ended without closing: marked KILLED"
+    assert sorted(said) == sorted([
+        f"feedbench: sweep run {parent} {ended}; a sweep's parent run takes no steps of its own, its jobs are runs "
+        "of their own (tag recovered=true)",
+        f"feedbench: advice run {advice} {ended}; it takes no steps of its own, its rungs are runs of their own "
+        "(tag recovered=true)",
+        f"feedbench: run {early} {ended} with no steps (it kept no journal: it died before its loop, or "
+        "engine.journal_s=0) (tag recovered=true)"])
+
+
 def test_a_run_of_another_host_or_a_live_process_is_left_alone(tiny_cfg, tracking_uri):
     from trainer.tracking.journal import is_dead_here, owner_tags, recover_dead_runs
 

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 from trainer.loop.run import run
 from trainer.loop.summary import summarise
 from trainer.tracking import plots, report
-from trainer.tracking.run_summary import bound_by, number
+from trainer.tracking.run_summary import bound_by, describe, number
 
 from clirun import all_runs, run_cli
 from conftest import TINY
@@ -94,6 +94,24 @@ def test_quiet_runs_print_no_summary(tmp_path, tracking_uri):
     assert all_runs(tracking_uri)[-1].data.params["engine.quiet"] == "True"
 
 
+@pytest.mark.parametrize("status,tags,total,line", [
+    ("KILLED", {"interrupted_by": "SIGINT"}, 3, "interrupted (SIGINT) after 3 of its 50 warm-up steps, before its timed region began"),
+    ("KILLED", {"interrupted_by": "SIGTERM"}, None, "interrupted (SIGTERM) before its first step, before its timed region began"),
+    ("FAILED", {"error": "ConfigError: ..."}, None, "it failed before its timed region began (its error is in the tag `error`)"),
+    ("FINISHED", {}, 50, "set engine.max_steps above engine.warmup_steps"),
+])
+def test_a_run_without_timed_steps_says_why_as_fits_how_it_ended(tracking_uri, status, tags, total, line):
+    client = MlflowClient(tracking_uri)
+    rid = client.create_run(client.create_experiment("e"), tags={"device": "cpu", **tags}).info.run_id
+    client.log_param(rid, "engine.warmup_steps", "50")
+    client.log_param(rid, "engine.max_steps", "100000")
+    for k, v in {"timed_steps": 0.0, **({} if total is None else {"total_steps": float(total)})}.items():
+        client.log_metric(rid, k, v)
+    client.set_terminated(rid, status)
+    text = describe(client.get_run(rid), tracking_uri).splitlines()
+    assert text[0].startswith(f"run {rid} ({status}): ") and text[1] == f"  no timed steps: {line}"
+
+
 def test_what_bounds_a_run_is_read_from_its_own_figures():
     assert bound_by({"data_wait_fraction": 0.7}, "cpu").startswith("the data: the loop waited for its next batch 70%")
     assert bound_by({"data_wait_fraction": 0.1}, "cpu") == "the step's own work on the CPU (data wait 10% of the timed time)"
@@ -107,11 +125,12 @@ def test_what_bounds_a_run_is_read_from_its_own_figures():
 # ----------------------------------------------------------------------------- the comparison
 def _sweep(uri: str, jobs) -> tuple:
     """A sweep in the store as the callback leaves it: a parent and one child per job
-    `(loader, model, device, degraded, ms_per_step, ci half-width)`; returns (client, parent)."""
+    `(loader, model, device, degraded, ms_per_step, ci half-width[, status])` (FINISHED unless
+    given); returns (client, parent)."""
     client = MlflowClient(uri)
     exp = client.create_experiment("sweeps")  # logs no artifacts: MLflow's default artifact root is never used
     parent = client.create_run(exp, run_name="sweep", tags={"sweep": "true", "sweep.keys": "loader,model"})
-    for i, (loader, model, device, degraded, ms, half) in enumerate(jobs):
+    for i, (loader, model, device, degraded, ms, half, *status) in enumerate(jobs):
         r = client.create_run(exp, run_name=f"job {i}", tags={
             "mlflow.parentRunId": parent.info.run_id, "sweep.job": str(i), "device": device, "model": model,
             "degraded": str(degraded).lower(), "strategy": loader})
@@ -122,7 +141,7 @@ def _sweep(uri: str, jobs) -> tuple:
                      "ms_per_step_ci_high": ms + half, "compute_stream_span_fraction": 0.95, "h2d_GBps": 3.0,
                      "data_wait_fraction": 0.1}.items():
             client.log_metric(rid, k, v)
-        client.set_terminated(rid, "FINISHED")
+        client.set_terminated(rid, (status or ["FINISHED"])[0])
     return client, client.get_run(parent.info.run_id)
 
 
@@ -157,6 +176,60 @@ def test_the_comparison_marks_noise_cpu_columns_and_degraded_jobs(tracking_uri):
     cpu_row = csv_rows[by[("baseline", "autoencoder")]["run_id"]]
     assert (cpu_row["compute_stream_span_fraction"], cpu_row["h2d_GBps"]) == ("", "")
     assert csv_rows[by[("prefetch", "mlp")]["run_id"]]["speedup_within_noise"] == "true"
+
+
+def test_a_stopped_job_shows_what_it_timed_but_is_no_baseline_and_never_best(tracking_uri):
+    jobs = [("baseline", "mlp", "cpu", False, 10.0, 0.2), ("pinned_gather", "mlp", "cpu", False, 4.0, 0.1, "KILLED"),
+            ("baseline", "noop", "cpu", False, 2.0, 0.1, "KILLED"), ("pinned_gather", "noop", "cpu", False, 8.0, 0.1),
+            ("pinned_gather", "autoencoder", "cpu", False, 1.0, 0.1, "FAILED")]
+    client, parent = _sweep(tracking_uri, jobs)
+    keys, rows = report.compare(client, parent)
+    assert [(r["status"], r["throughput_samples_per_s"], r["ms_per_step"], r["ms_per_step_ci95"], r["speedup_vs_baseline"])
+            for r in rows] == [("FINISHED", 6400.0, 10.0, pytest.approx(0.2), 1.0),
+                               ("KILLED", 16000.0, 4.0, pytest.approx(0.1), None),  # a partial run compares with nothing
+                               ("KILLED", 32000.0, 2.0, pytest.approx(0.1), None),
+                               ("FINISHED", 8000.0, 8.0, pytest.approx(0.1), None),  # its baseline was KILLED
+                               ("FAILED", 64000.0, 1.0, pytest.approx(0.1), None)]
+    table = report.format_table(keys, rows).splitlines()
+    assert [line.split()[:5] for line in table[2:7]] == [
+        ["0", "baseline", "mlp", "FINISHED", "6400.0"], ["1", "pinned_gather", "mlp", "KILLED", "16000.0"],
+        ["2", "baseline", "noop", "KILLED", "32000.0"], ["3", "pinned_gather", "noop", "FINISHED", "8000.0"],
+        ["4", "pinned_gather", "autoencoder", "FAILED", "64000.0"]]
+    assert table[7:] == [report.LEGEND["all_cpu"], report.LEGEND["stopped"]]
+    best = report.best_trial(report.children(client, parent))
+    assert report.best_line(best) == (f"best: job 3 (run {rows[3]['run_id']}): throughput_samples_per_s=8000 with "
+                                      "loader=pinned_gather model=noop")
+
+
+def _best(uri: str, degraded) -> str:
+    """The best line of a sweep of baseline and GPU strategies, on the CPU, the i-th job degraded as
+    `degraded[i]` says (the faster the later)."""
+    loaders = ["baseline", "pinned_chunk", "gpu_resident", "prefetch"]
+    jobs = [(loaders[i], "mlp", "cpu", d, 10.0 - i, 0.1) for i, d in enumerate(degraded)]
+    client, parent = _sweep(uri, jobs)
+    return report.best_line(report.best_trial(report.children(client, parent)))
+
+
+def test_the_best_is_never_a_degraded_job_the_readmes_sweep_ranks_none(tracking_uri):
+    # The README's sweep on the CPU: both GPU strategies ran their CPU path, faster than the baseline.
+    assert _best(tracking_uri, [False, True, True]) == (
+        "best: none: jobs 1, 2 are degraded (no CUDA: the CPU path ran, not the strategy named), so job 0 alone "
+        "measured what it names: nothing to rank")
+
+
+def test_the_best_is_ranked_among_the_jobs_that_measured_their_strategy(tracking_uri):
+    line = _best(tracking_uri, [False, True, False, True])
+    client = MlflowClient(tracking_uri)
+    (parent,) = client.search_runs([client.get_experiment_by_name("sweeps").experiment_id], "tags.sweep = 'true'")
+    job2 = report.children(client, parent)[2].info.run_id
+    assert line == (f"best: job 2 (run {job2}): throughput_samples_per_s=8000 with loader=gpu_resident "
+                    "(not ranked: jobs 1, 3, degraded)")
+
+
+def test_no_best_when_every_job_is_degraded(tracking_uri):
+    assert _best(tracking_uri, [True, True]) == (
+        "best: none: every job is degraded (no CUDA: the CPU path ran, not the strategy named), so none measured "
+        "what it names")
 
 
 def _csv(text: str):

@@ -105,8 +105,11 @@ def test_sweep_is_one_parent_with_nested_children_and_a_comparison(tmp_path, tra
     assert head[:4] == ["job", "loader", "model", "status"] and "speedup_vs_baseline" in head
     assert lines[7:-1] == report.legend(report.compare(client, parent)[1])  # title, header, rule, 4 jobs, legend, best
     assert len({len(line) for line in lines[1:7]}) <= 2  # aligned: the rule and the rows as wide as the header
-    fastest = max(children, key=lambda r: r.data.metrics["throughput_samples_per_s"])
+    measured = [r for r in children if r.data.tags["degraded"] != "true"]  # pinned on the CPU ran its CPU path
+    fastest = max(measured, key=lambda r: r.data.metrics["throughput_samples_per_s"])
     assert lines[-1].startswith(f"best: job {fastest.data.tags['sweep.job']} (run {fastest.info.run_id}): ")  # last
+    left_out = sorted(r.data.tags["sweep.job"] for r in children if r not in measured)
+    assert len(left_out) == 2 and lines[-1].endswith(f" (not ranked: jobs {', '.join(left_out)}, degraded)")
     assert client.get_run(parent.info.run_id).data.tags["best_run_id"] == fastest.info.run_id
     for r in children:
         line = next(x for x in lines[3:] if x.split()[0] == r.data.tags["sweep.job"])
@@ -208,7 +211,10 @@ def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, t
     out = capsys.readouterr().out.splitlines()
     assert parent_id in out[0] and out[1].split()[:3] == ["job", "loader", "status"]
     assert sorted(line.split()[1] for line in out[3:5]) == ["baseline", "pinned"]  # then the legend, then the best
-    assert out[-1].startswith("best: job ") and "throughput_samples_per_s=" in out[-1]  # the fastest job
+    # pinned ran its CPU path (degraded): the baseline alone measured what it names, so nothing is ranked.
+    assert out[-1] == ("best: none: job 1 is degraded (no CUDA: the CPU path ran, not the strategy named), so job 0 "
+                       "alone measured what it names: nothing to rank")
+    assert "best_run_id" not in client.get_run(parent_id).data.tags
     assert "engine_vs_plain" not in out[1]
 
     # --plain: each job's config run again as a plain loop in its own process, logged on the job.
@@ -259,7 +265,30 @@ def test_report_errors_name_the_fix_and_create_nothing(tmp_path, tracking_uri, c
     assert report.main(["--uri", tracking_uri]) == 2
     assert "no run or sweep" in capsys.readouterr().err
     assert report.main(["--uri", tracking_uri, "--sweep", "0123abcd"]) == 2
-    assert "--sweep 0123abcd" in capsys.readouterr().err
+    assert capsys.readouterr().err == "error: --sweep 0123abcd: no such run in this store\n"
+    assert report.main(["--uri", tracking_uri, "--run", "deadbeef"]) == 2
+    assert capsys.readouterr().err == "error: --run deadbeef: no such run in this store\n"  # the flag typed
+
+
+def test_report_usage_lists_run_and_sweep(capsys):
+    with pytest.raises(SystemExit) as done:
+        report.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "[--run RUN_ID | --sweep RUN_ID]" in " ".join(out.split())  # the usage, however argparse wraps it
+    assert "\n  --run RUN_ID " in out and "\n  --sweep RUN_ID " in out
+
+
+@pytest.mark.parametrize("option,path", [("--csv", "{tmp}/nodir/x.csv"), ("--markdown", "/proc/nope.md"),
+                                         ("--csv", "{tmp}")])
+def test_a_table_path_that_cannot_be_written_is_one_line_before_the_store_is_read(tmp_path, capsys, option, path):
+    path = path.format(tmp=tmp_path)
+    missing = tmp_path / "none.db"  # read first, this store would be the error (exit 2)
+    assert report.main(["--uri", f"sqlite:///{missing}", option, path]) == 1
+    why = "Is a directory" if path == str(tmp_path) else "No such file or directory"
+    assert capsys.readouterr().err == (f"error: {option} {path}: cannot write there ({why}): pass a path in a folder "
+                                       "that exists and that you can write in\n")
+    assert not missing.exists() and sorted(tmp_path.iterdir()) == []  # nothing created, nothing left
 
 
 def test_unknown_parent_run_id_is_a_config_error(tiny_cfg):
@@ -290,7 +319,7 @@ def test_interrupted_sweep_closes_its_parent_as_killed_with_the_comparison(tmp_p
     try:
         wait_for_running(tracking_uri, proc)  # the first job has journaled steps: in its loop
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
+        out, err = proc.communicate(timeout=120)
     finally:
         stop_leftovers()
     assert proc.returncode == 130, err
@@ -299,6 +328,15 @@ def test_interrupted_sweep_closes_its_parent_as_killed_with_the_comparison(tmp_p
     assert [r.info.status for r in children] == ["KILLED"]  # the second job never started
     rows = csv_rows(read_artifact(client, parent.info.run_id, "comparison.csv").decode())
     assert [(row["loader"], row["status"]) for row in rows] == [("baseline", "KILLED")]
+    # What the job timed before the interrupt is shown, marked by its status; it is no one's baseline.
+    m = children[0].data.metrics
+    assert m["timed_steps"] > 0
+    for key in ("throughput_samples_per_s", "ms_per_step", "data_wait_fraction"):
+        assert float(rows[0][key]) == m[key], key
+    assert rows[0]["speedup_vs_baseline"] == ""
+    (line,) = [x for x in out.splitlines() if x.startswith("0 ")]
+    assert line.split()[:4] == ["0", "baseline", "KILLED", f"{m['throughput_samples_per_s']:.1f}"]
+    assert report.LEGEND["stopped"] in out.splitlines() and "best:" not in out  # a stopped job is never the best
 
 
 def test_timeline_draws_a_long_run_as_means_over_runs_of_steps(tmp_path):

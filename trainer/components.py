@@ -19,17 +19,30 @@ GROUP_TITLES = {"loader": "how batches reach the device", "dataset": "what is fe
 
 
 def first_sentence(doc: str) -> str:
-    """The first sentence of a docstring's first paragraph, on one line."""
+    """The first sentence of a docstring's first paragraph, on one line: it ends at a `.`, `?` or
+    `!` before a space, outside parentheses (`(e.g. ...)` does not end it)."""
     paragraph = " ".join(doc.strip().split("\n\n")[0].split())
-    return re.split(r"(?<=\.)\s", paragraph, maxsplit=1)[0]
+    depth = 0
+    for i, char in enumerate(paragraph):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char in ".?!" and depth <= 0 and paragraph[i + 1:i + 2] == " ":
+            return paragraph[:i + 1]
+    return paragraph
 
 
 def preset_line(path) -> str:
-    """A preset's summary: the first comment line of its YAML file, after `# @package`."""
+    """A preset's summary: the first sentence of the first comment paragraph of its YAML file (after
+    `# @package`; a blank or indented comment line, a command, ends it), read whole when the sentence
+    goes on to the next line: never cut mid-parenthesis."""
+    paragraph = []
     for line in path.read_text().splitlines():
-        if line.startswith("#") and not line.startswith("# @package"):
-            return line.lstrip("# ").strip()
-    return ""
+        if line.startswith("# @package"):
+            continue
+        if line.startswith("#") and line[1:].strip() and not line.startswith("#   "):
+            paragraph.append(line[1:].strip())
+        elif paragraph:
+            break
+    return first_sentence(" ".join(paragraph))
 
 
 def options_help() -> str:

@@ -119,6 +119,9 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
             summary, error = record(parts, tracker, ranks, error)
             if error is not None:
                 raise error
+    except KeyboardInterrupt as stopped:  # closed KILLED: it says what it measured, as a finished run does
+        tell(cfg, getattr(stopped, "run_id", None))
+        raise
     finally:
         if journal is not None:  # the run is closed with its records: the journal was their fallback
             journal.path.unlink(missing_ok=True)

@@ -280,6 +280,7 @@ class Advisor:
             job.engine.max_steps = job.engine.warmup_steps + (1 if window else self.steps)
             job.engine.kernel_window_steps = window
             job.engine.progress = False
+            job.engine.quiet = True  # the rung's one progress line says what it measured, not a run's summary
             job.tracking.parent_run_id = self.parent_id
             job.tracking.run_name = f"advise: {name}"
         return job

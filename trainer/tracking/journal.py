@@ -174,8 +174,7 @@ def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=No
         client.set_tag(run_id, "interrupted_by", "killed (process gone)")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED), end_time=end_ms)
         recovered.append(run_id)
-        log(f"feedbench: run {run_id} (pid {tags['pid']}) ended without closing: marked KILLED with the "
-            f"{len(journal)} steps of its journal (tag recovered=true)")
+        log(f"feedbench: {_what_ended(tags, run_id, len(journal))} (tag recovered=true)")
     return recovered
 
 
@@ -184,6 +183,19 @@ def _remove_scratch(folder: str) -> None:
     run made (`feedbench-*`), whatever the tag says."""
     if folder and Path(folder).name.startswith("feedbench-"):
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _what_ended(tags: Dict[str, str], run_id: str, steps: int) -> str:
+    """The recovered run in words true of it: a sweep's (or an advice's) parent run takes no steps
+    of its own, its jobs are runs of their own; a run with no journal kept none."""
+    ended = f"(pid {tags['pid']}) ended without closing: marked KILLED"
+    if tags.get("sweep") == "true":
+        return f"sweep run {run_id} {ended}; a sweep's parent run takes no steps of its own, its jobs are runs of their own"
+    if tags.get("advise") == "true":
+        return f"advice run {run_id} {ended}; it takes no steps of its own, its rungs are runs of their own"
+    kept = f"with the {steps} steps of its journal" if "journal" in tags else \
+        "with no steps (it kept no journal: it died before its loop, or engine.journal_s=0)"
+    return f"run {run_id} {ended} {kept}"
 
 
 def _steps_csv(out: Path, rows: List[dict]) -> Path:

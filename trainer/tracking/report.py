@@ -11,6 +11,8 @@ What the figures can be trusted for is said beside them: `ms_per_step_ci95` is t
 of each job's 95% interval of ms per step (`trainer.loop.summary.step_interval`); a speedup
 whose interval includes 1 is marked `~` (not shown by these runs); the GPU's columns are blank
 for a job that ran on the CPU; a degraded job (a CUDA strategy that ran its CPU path) is marked.
+A job that stopped (KILLED, FAILED) shows what it timed before it stopped, marked by its status: it
+gets no speedup, is no job's baseline and is never the best; nor is a degraded job the best.
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ WITHIN_NOISE = "~"  # after a speedup whose 95% interval includes 1
 LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval includes 1, so these runs do not show it",
           "cpu": "blank compute_stream_span_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
           "all_cpu": "no compute_stream_span_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
-          "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it"}
+          "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it",
+          "stopped": "KILLED, FAILED: the figures of the steps the job timed before it stopped: no speedup, never best"}
+FINISHED = "FINISHED"
 
 
 # ----------------------------------------------------------------------------- reading MLflow
@@ -66,15 +70,16 @@ def open_store(uri: Optional[str]) -> Tuple[MlflowClient, str]:
 
 
 def find_parent(client: MlflowClient, experiment: Optional[str] = None, run_id: Optional[str] = None,
-                sweeps_only: bool = True) -> Run:
+                sweeps_only: bool = True, option: str = "--run") -> Run:
     """The run to show: `run_id` (a sweep's job leads to its sweep's parent run), else the newest
     sweep in `experiment` (default: in any experiment); with `sweeps_only=False`, the latest run
-    or sweep, whichever came last (a sweep's newest job leads to its sweep)."""
+    or sweep, whichever came last (a sweep's newest job leads to its sweep). `option`: the flag
+    that gave `run_id`, as its error names it."""
     if run_id:
         try:
             run = client.get_run(run_id)
         except MlflowException:
-            raise ConfigError(f"--sweep {run_id}: no such run in this store") from None
+            raise ConfigError(f"{option} {run_id}: no such run in this store") from None
         parent = run.data.tags.get("mlflow.parentRunId")
         return client.get_run(parent) if parent else run
     if experiment:
@@ -137,13 +142,14 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
     """One row per job: its distinguishing settings, status and metrics, and its speedup over
     the `baseline` job with the same other settings (None when there is no finished one).
 
-    Only a FINISHED run's metrics are shown: a failed job's partial numbers are not comparable.
+    A job that stopped (KILLED, FAILED) shows what it timed before it stopped, its status saying
+    so; a speedup is only of a finished job over a finished baseline: a partial run compares with
+    nothing.
     """
     keys, others = setting_keys(runs, [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k])
     overlaps = overlapping(runs)
     rows: List[Dict[str, object]] = []
     for i, r in enumerate(runs):
-        done = r.info.status == "FINISHED"
         tags = r.data.tags
         row: Dict[str, object] = {"job": tags.get("sweep.job", str(i)), "run_name": r.info.run_name}
         row.update({column(k): r.data.params.get(k, "") for k in keys})
@@ -151,18 +157,18 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
         row["degraded"] = "yes" if tags.get("degraded") == "true" else ""
         row["device"], row["model"] = tags.get("device", ""), r.data.params.get("model.name", tags.get("model", ""))
         for m in METRICS + PLAIN + (PEAK,):
-            row[m] = r.data.metrics.get(m) if done and not (m in GPU_ONLY and row["device"] == "cpu") else None
-        row["ms_per_step_ci95"] = half_width(r.data.metrics) if done else None
+            row[m] = None if m in GPU_ONLY and row["device"] == "cpu" else r.data.metrics.get(m)
+        row["ms_per_step_ci95"] = half_width(r.data.metrics)
         row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
         row["run_id"] = r.info.run_id
         rows.append(row)
     for row, r in zip(rows, runs):
-        if row["throughput_samples_per_s"] is None:
+        if row["throughput_samples_per_s"] is None or row["status"] != FINISHED:
             continue
         setting = [r.data.params.get(k) for k in others]
         for b_row, b in zip(rows, runs):
-            if (b.data.params.get(STRATEGY) == BASELINE and b_row["throughput_samples_per_s"]
-                    and [b.data.params.get(k) for k in others] == setting):
+            if (b.data.params.get(STRATEGY) == BASELINE and b_row["status"] == FINISHED
+                    and b_row["throughput_samples_per_s"] and [b.data.params.get(k) for k in others] == setting):
                 row["speedup_vs_baseline"] = row["throughput_samples_per_s"] / b_row["throughput_samples_per_s"]
                 row["speedup_within_noise"] = None if b_row is row else within_noise(row, b_row)
                 break
@@ -248,11 +254,13 @@ def shown(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
 
 def legend(rows: Sequence[dict]) -> List[str]:
     """One line per mark the table shows."""
-    on_cpu = any(r.get("device") == "cpu" and r.get("status") == "FINISHED" for r in rows)
+    on_cpu = any(r.get("device") == "cpu" for r in rows)
     gpu_columns = any(r.get(c) is not None for r in rows for c in GPU_ONLY)
     marks = {"noise": any(r.get("speedup_within_noise") for r in rows),
              "cpu": on_cpu and gpu_columns, "all_cpu": on_cpu and not gpu_columns,
-             "degraded": any(r.get("degraded") for r in rows)}
+             "degraded": any(r.get("degraded") for r in rows),
+             "stopped": any(r.get("status") != FINISHED and _cell("ms_per_step", r.get("ms_per_step"), False)
+                            for r in rows)}
     return [LEGEND[k] for k, shown_ in marks.items() if shown_]
 
 
@@ -291,26 +299,51 @@ def to_markdown(keys: Sequence[str], rows: Sequence[dict]) -> str:
 def best_trial(runs: Sequence[Run]) -> Optional[Dict[str, object]]:
     """The finished job with the best objective (`engine.objective`, better as `OBJECTIVES` says:
     what a tuner optimised), and the settings that tell it from the other jobs; None when no job
-    finished with it."""
+    finished with it. A degraded job (its strategy's CPU path) did not measure what it names: it
+    is never ranked (`left_out`), and beside degraded jobs a job left alone is not the best of
+    anything: then `job` is None and `measured` lists what did measure its own settings."""
     objective = next((r.data.params["engine.objective"] for r in runs if "engine.objective" in r.data.params),
                      "throughput_samples_per_s")
-    done = [r for r in runs if r.info.status == "FINISHED" and math.isfinite(r.data.metrics.get(objective, math.nan))]
+    done = [r for r in runs if r.info.status == FINISHED and math.isfinite(r.data.metrics.get(objective, math.nan))]
     if not done:
         return None
+    measured = [r for r in done if r.data.tags.get("degraded") != "true"]
+    left_out = [job_number(runs, r) for r in done if r not in measured]
+    found: Dict[str, object] = {"objective": objective, "left_out": left_out,
+                                "measured": [job_number(runs, r) for r in measured], "job": None}
+    if left_out and len(measured) < 2:
+        return found
     sign = 1.0 if OBJECTIVES.get(objective) == "maximize" else -1.0
-    best = max(done, key=lambda r: sign * r.data.metrics[objective])
+    best = max(measured, key=lambda r: sign * r.data.metrics[objective])
     # A setting counts when the jobs differ in it, a key a strategy lacks (loader.depth) included.
     keys = sorted({k for r in runs for k in r.data.params if not k.startswith("tracking.")})
     varying = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1 and k in best.data.params]
     overrides = [f"{column(k)}={best.data.params[k]}" for k in sorted(varying, key=lambda k: (k != STRATEGY, k))]
-    return {"job": best.data.tags.get("sweep.job", str(list(runs).index(best))), "run_id": best.info.run_id, "objective": objective,
-            "value": best.data.metrics[objective], "overrides": overrides}
+    return dict(found, job=job_number(runs, best), run_id=best.info.run_id, value=best.data.metrics[objective],
+                overrides=overrides)
+
+
+def job_number(runs: Sequence[Run], run: Run) -> str:
+    return run.data.tags.get("sweep.job", str(list(runs).index(run)))
 
 
 def best_line(best: Dict[str, object]) -> str:
-    """`best: job 3 (run ...): throughput_samples_per_s=1234.5 with loader=prefetch loader.depth=2`."""
-    return (f"best: job {best['job']} (run {best['run_id']}): {best['objective']}={best['value']:.6g} with "
+    """`best: job 3 (run ...): throughput_samples_per_s=1234.5 with loader=prefetch loader.depth=2`,
+    or why no job is ranked (every finished job but one, or all, degraded)."""
+    degraded = "degraded (no CUDA: the CPU path ran, not the strategy named)"
+    if best["job"] is None and not best["measured"]:
+        return f"best: none: every job is {degraded}, so none measured what it names"
+    if best["job"] is None:
+        return (f"best: none: {_jobs(best['left_out'])} {'are' if len(best['left_out']) > 1 else 'is'} {degraded}, "
+                f"so job {best['measured'][0]} alone measured what it names: nothing to rank")
+    line = (f"best: job {best['job']} (run {best['run_id']}): {best['objective']}={best['value']:.6g} with "
             f"{' '.join(best['overrides']) or 'the same settings as the others'}")
+    return line + (f" (not ranked: {_jobs(best['left_out'])}, degraded)" if best["left_out"] else "")
+
+
+def _jobs(numbers: Sequence[str]) -> str:
+    """`job 1`, `jobs 1, 2`."""
+    return f"job{'s' * (len(numbers) > 1)} {', '.join(numbers)}"
 
 
 def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str, object]]]:
@@ -358,22 +391,61 @@ def run_markdown(run: Run) -> str:
 
 
 # ----------------------------------------------------------------------------- command line
+def unwritable(option: str, path: Path, error: OSError) -> str:
+    return (f"{option} {path}: cannot write there ({error.strerror or error}): pass a path in a folder that exists "
+            "and that you can write in")
+
+
+def check_writable(option: str, path: Path) -> None:
+    """Try the file now, before the store is read and `--plain` runs its loops: a path that cannot be
+    written fails in one line at once, not in a traceback at the end. Leaves no file behind."""
+    existed = path.exists()
+    try:
+        with path.open("a"):
+            pass
+    except OSError as e:
+        raise ConfigError(unwritable(option, path, e)) from None
+    if not existed:
+        path.unlink()
+
+
+def write_tables(paths: Dict[str, Path], tables: Dict[str, str]) -> int:
+    """Write each asked-for table (`--csv`, `--markdown`); a write that still fails (a full disk) is one line, exit 1."""
+    for option, path in paths.items():
+        try:
+            path.write_text(tables[option])
+        except OSError as e:
+            print(f"error: {unwritable(option, path, e)}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.report", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m trainer.report", description=" ".join(__doc__.split("\n\n")[0].split()))
     p.add_argument("--uri", help="MLflow tracking URI (default: the project's outputs/mlflow.db)")
     p.add_argument("--experiment", help="look for the latest run or sweep in this experiment only")
-    p.add_argument("--sweep", "--run", dest="sweep", metavar="RUN_ID",
-                   help="a run's id, a sweep's parent run id, or one of its jobs' (default: the latest run or sweep)")
+    which = p.add_mutually_exclusive_group()  # two names for one choice: an error names the one typed
+    which.add_argument("--run", metavar="RUN_ID",
+                       help="a run's id, a sweep's parent run id, or one of its jobs' (default: the latest run or sweep)")
+    which.add_argument("--sweep", metavar="RUN_ID", help="the same as --run")
     p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
     p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--plain", action="store_true",
                    help="first run a plain loop for each finished job (same config, fresh process) and log "
                         "plain_ms_per_step and engine_vs_plain on it: the reference for the engine's figures")
     args = p.parse_args(argv)
+    paths = {option: path for option, path in (("--csv", args.csv), ("--markdown", args.markdown)) if path}
+    try:
+        for option, path in paths.items():
+            check_writable(option, path)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     try:
         client, uri = open_store(args.uri)
         recover_dead_runs(client)  # runs of this host whose process died: KILLED, from their journals
-        parent = find_parent(client, args.experiment, args.sweep, sweeps_only=False)
+        parent = find_parent(client, args.experiment, args.run or args.sweep, sweeps_only=False,
+                             option="--sweep" if args.sweep else "--run")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -386,11 +458,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(describe(run, uri))  # what it found, as the run printed it when it ended
         print(f"\nrun {run.info.run_name!r}, all it recorded:")
         print(format_run(run))
-        if args.csv:
-            args.csv.write_text(run_csv(run))
-        if args.markdown:
-            args.markdown.write_text(run_markdown(run))
-        return 0
+        return write_tables(paths, {"--csv": run_csv(run), "--markdown": run_markdown(run)})
     keys, rows = compare(client, parent)
     print(f"sweep {parent.info.run_name!r} ({parent.info.run_id}, {parent.info.status}): {len(rows)} jobs in {uri}")
     print(format_table(keys, rows) if rows else "(no child runs)")
@@ -400,11 +468,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     warning = overlap_warning(rows)
     if warning:
         print(warning, file=sys.stderr)
-    if args.csv:
-        args.csv.write_text(to_csv(keys, rows))
-    if args.markdown:
-        args.markdown.write_text(to_markdown(keys, rows))
-    return 0
+    return write_tables(paths, {"--csv": to_csv(keys, rows), "--markdown": to_markdown(keys, rows)})
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What a run found, in a few lines: printed on stderr when a run ends, and by
-`python -m trainer.report --run ID`.
+"""What a run found, in a few lines: printed on stderr when a run ends (finished, or interrupted:
+then what it measured before the interrupt), and by `python -m trainer.report --run ID`.
 
     run 3f2a… (FINISHED): loader=prefetch dataset=synthetic model=autoencoder on cuda, eager, feedbench loop
       12.35 ms/step ±0.24 (95% interval, 190 timed steps), 5184 samples/s
@@ -72,9 +72,23 @@ def describe(run: Run, uri: str) -> str:
         lines.append(f"  {figures(m)}")
         lines.append(f"  bound by: {bound_by(m, device)}")
     else:
-        lines.append("  no timed steps: set engine.max_steps above engine.warmup_steps")
+        lines.append(f"  no timed steps: {untimed(run)}")
     lines += commands(run, uri)
     return "\n".join(lines)
+
+
+def untimed(run: Run) -> str:
+    """Why a run timed no step, as fits how it ended: only a finished one ran out of steps in its warm-up."""
+    status, done = run.info.status, int(run.data.metrics.get("total_steps", 0))
+    if status == "KILLED":
+        at = f"after {done} of its {run.data.params.get('engine.warmup_steps', '?')} warm-up steps" if done else \
+            "before its first step"
+        return f"interrupted ({run.data.tags.get('interrupted_by', 'stopped')}) {at}, before its timed region began"
+    if status == "FAILED":
+        return "it failed before its timed region began (its error is in the tag `error`)"
+    if status == "FINISHED":
+        return "set engine.max_steps above engine.warmup_steps"
+    return "none recorded yet: a run records its figures when it ends"
 
 
 def figures(m: Dict[str, float]) -> str:

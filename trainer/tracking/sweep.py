@@ -130,7 +130,8 @@ def finish_parent(uri: str, parent_id: str, stopped: Optional[str] = None) -> Tu
             client.log_artifact(parent_id, str(png))
     best = report.best_trial(report.children(client, parent))
     if best is not None:  # what a tuner found (experiment=tune_dataloader); any sweep's fastest job
-        client.set_tag(parent_id, "best_run_id", best["run_id"])
+        if best["job"] is not None:  # none when degraded jobs leave nothing to rank: the line says why
+            client.set_tag(parent_id, "best_run_id", best["run_id"])
         client.set_tag(parent_id, "best", report.best_line(best))
     failed = sum(r["status"] != "FINISHED" for r in rows)
     client.set_tag(parent_id, "jobs", str(len(rows)))
