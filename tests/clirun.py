@@ -36,6 +36,12 @@ def run_cli(tmp_path: Path, uri: str, *overrides: str, env: Optional[dict] = Non
                           timeout=timeout, env=dict(os.environ, **(env or {})))
 
 
+def run_args(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`python -m trainer` with exactly these arguments (no store, no run folder added), run in `cwd`."""
+    return subprocess.run([sys.executable, "-m", "trainer", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 _started: List[subprocess.Popen] = []  # processes `start` began, stopped by `stop_leftovers`
 
 

@@ -26,6 +26,7 @@ from unittest import mock
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
+from trainer.__main__ import args_parser, hydra_argv
 from trainer.components import REGISTRIES, first_sentence, preset_line
 from trainer.config import CONF_DIR, PROJECT_ROOT
 from trainer.validate import validate
@@ -118,17 +119,9 @@ def compose_every_value(overrides: List[str]) -> int:
 
 
 def trainer_overrides(args: List[str]) -> List[str]:
-    """`python -m trainer`'s own flags left out: what remains are Hydra overrides."""
-    flags = {"-m", "--multirun", "--help", "-h", "--hydra-help"}
-    out, skip = [], False
-    for a in args:
-        if skip:
-            skip = False
-        elif a in ("--cfg", "-c"):
-            skip = True
-        elif a not in flags:
-            out.append(a)
-    return out
+    """The Hydra overrides among `python -m trainer`'s arguments, parsed as the command line parses
+    them (a bad option fails the test)."""
+    return args_parser().parse_args(hydra_argv(args)).overrides
 
 
 class Parsed(Exception):

@@ -299,10 +299,23 @@ def test_a_sqlite_file_mlflow_cannot_use_is_refused_untouched(tmp_path, make, pa
     (tmp_path / "notes.db").write_text("a text file, not a database\n")
     db = make(tmp_path)
     before = None if db.is_dir() else db.read_bytes()
+    there = sorted(tmp_path.iterdir())
     uri = f"sqlite:///{db}"
     proc = run_cli(tmp_path, uri, *TINY)
     error_line(proc, rf"^error: tracking\.uri={uri}:? .*" + pattern.format(db=db, folder=tmp_path))
     assert before is None or db.read_bytes() == before  # MLflow did not add its tables to it
+    assert sorted(p for p in tmp_path.iterdir() if p.name != "hydra") == there  # no <db>.lock beside it
+
+
+def test_a_file_that_is_not_a_database_is_refused_with_nothing_made_beside_it(tmp_path):
+    """The user's own file, named by a relative path: refused in one line, with no `.lock` left next to it."""
+    (tmp_path / "notadb.md").write_text("# notes\n")
+    proc = run_cli(tmp_path, "sqlite:///notadb.md", *TINY)
+    assert proc.returncode == 1 and proc.stderr.splitlines() == [
+        "error: tracking.uri=sqlite:///notadb.md: notadb.md is not an SQLite database: set "
+        "tracking.uri=sqlite:///feedbench-mlflow.db (a new file), or move that file away"], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hydra", "notadb.md"]  # Hydra's run folder, made before the check
+    assert (tmp_path / "notadb.md").read_text() == "# notes\n"
 
 
 def test_a_database_another_program_is_making_is_not_refused(tmp_path):

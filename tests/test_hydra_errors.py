@@ -13,10 +13,13 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from clirun import TINY, all_runs, error_line, run_cli, start, stop_leftovers, wait_for_library
+from clirun import TINY, all_runs, error_line, run_args, run_cli, start, stop_leftovers, wait_for_library
 from disks import fill, small_tmpfs
-from trainer.config import EngineConfig
+from trainer.config import CONF_DIR, EngineConfig
 from trainer.tracking.report import find_parent
+
+
+LOADERS = "baseline, gpu_resident, iterable_chunks, pinned, pinned_chunk, pinned_gather, pinned_uva, prefetch"
 
 
 def only_line(proc: subprocess.CompletedProcess) -> str:
@@ -28,8 +31,7 @@ def only_line(proc: subprocess.CompletedProcess) -> str:
 
 # -- composing the config ----------------------------------------------------------------------------
 @pytest.mark.parametrize("override,expected", ids=["option typo", "wrong type", "unknown key", "list", "bool"], argvalues=[
-    ("loader=prefech", "error: loader=prefech: loader has no option prefech; did you mean prefetch? (options: baseline, "
-                       "gpu_resident, iterable_chunks, pinned, pinned_chunk, pinned_gather, pinned_uva, prefetch)"),
+    ("loader=prefech", f"error: loader=prefech: loader has no option prefech; did you mean prefetch? (options: {LOADERS})"),
     ("loader.batch_size=abc", "error: loader.batch_size=abc: Value 'abc' of type 'str' could not be converted to Integer: "
                               "set loader.batch_size to an integer, e.g. loader.batch_size=16"),
     ("engine.wramup_steps=1", "error: engine.wramup_steps: engine has no key wramup_steps; did you mean warmup_steps? "
@@ -67,6 +69,95 @@ def test_a_sweep_with_an_invalid_option_is_one_line_and_leaves_no_sweep_behind(t
     assert all_runs(tracking_uri) == []  # the parent run made before Hydra checked the jobs is in MLflow's trash
     with pytest.raises(Exception, match="no sweep in this store"):
         find_parent(MlflowClient(tracking_uri))
+
+
+# -- expanding a sweep --------------------------------------------------------------------------------
+SWEEP_GRAMMAR = ("write one its basic sweeper takes (a,b,c, range(start,stop,step), choice(...), glob(...)): see "
+                 "https://hydra.cc/docs/advanced/override_grammar/extended/")
+
+
+@pytest.mark.parametrize("override,expected", ids=["numbers for a group", "a zero step", "an interval", "a bad range",
+                                                   "an empty choice"], argvalues=[
+    ("loader=range(1,3)", "error: loader=range(1,3): loader is a config group, swept by option name, and this sweep gives "
+                          f"int values: name its options, e.g. loader=baseline,gpu_resident (options: {LOADERS})"),
+    ("engine.max_steps=range(1,3,0)", "error: engine.max_steps=range(1,3,0): Hydra cannot expand this sweep (range() arg 3 "
+                                      f"must not be zero): {SWEEP_GRAMMAR}"),
+    ("engine.max_steps=interval(1,3)", "error: engine.max_steps=interval(1,3): Hydra cannot expand this sweep (BasicSweeper "
+                                       f"does not support sweep type : INTERVAL_SWEEP): {SWEEP_GRAMMAR}"),
+    ("engine.max_steps=range(a,3)", "error: engine.max_steps=range(a,3): not an override Hydra can read (TypeError while "
+                                    "evaluating 'range(a,3)': mismatch type argument start: str is incompatible with "
+                                    "Union[int, float]): see https://hydra.cc/docs/advanced/override_grammar/basic/"),
+    ("loader=choice()", "error: loader=choice(): not an override Hydra can read (ValueError while evaluating 'choice()': "
+                        "empty choice is not legal): see https://hydra.cc/docs/advanced/override_grammar/basic/"),
+])
+def test_a_sweep_hydra_cannot_expand_is_one_line_and_records_nothing(tmp_path, tracking_uri, override, expected):
+    proc = run_cli(tmp_path, tracking_uri, "-m", override, *TINY, "engine.max_steps=5")
+    assert only_line(proc) == expected
+    assert all_runs(tracking_uri) == []
+    with pytest.raises(Exception, match="no sweep in this store"):
+        find_parent(MlflowClient(tracking_uri))
+
+
+# -- the command line's options ------------------------------------------------------------------------
+@pytest.mark.parametrize("args", ids=["-q first", "-q after --cfg's value", "-q last", "overrides both sides",
+                                      "--quiet between overrides"], argvalues=[
+    ["-q", "--cfg", "job", "loader=pinned", "engine.max_steps=3"],
+    ["--cfg", "job", "-q", "loader=pinned", "engine.max_steps=3"],
+    ["--cfg", "job", "loader=pinned", "engine.max_steps=3", "-q"],
+    ["loader=pinned", "-q", "--cfg", "job", "engine.max_steps=3"],
+    ["loader=pinned", "--quiet", "engine.max_steps=3", "--cfg=job"],
+])
+def test_quiet_and_overrides_go_anywhere_beside_hydras_options(tmp_path, args):
+    proc = run_args(tmp_path, *args)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    config = proc.stdout.splitlines()
+    assert "  name: pinned" in config and "  max_steps: 3" in config and "  quiet: true" in config
+    assert list(tmp_path.iterdir()) == []  # --cfg runs nothing
+
+
+def test_quiet_among_overrides_runs_without_the_summary(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, "engine.max_steps=2", "--quiet", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    assert [r.info.status for r in all_runs(tracking_uri)] == ["FINISHED"]
+
+
+def test_info_before_an_override_prints_all_the_info(tmp_path):
+    proc = run_args(tmp_path, "-i", "loader=pinned", "-q")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert "loader: pinned" in proc.stdout  # the defaults list, with the override
+
+
+@pytest.mark.parametrize("args,expected", ids=["a choice typo", "an unknown option", "an option typo", "a value missing",
+                                               "two commands", "--resolve alone", "a missing config",
+                                               "a missing config folder", "overrides for Hydra's help"], argvalues=[
+    (["--cfg", "jobx"], "error: --cfg jobx: --cfg takes job, hydra, all; did you mean --cfg job?"),
+    (["--bogus", "loader=pinned"], "error: --bogus: not an option of python -m trainer (python -m trainer --help lists "
+                                   "them; overrides are written key=value)"),
+    (["--cofg", "job", "-q"], "error: --cofg: not an option of python -m trainer; did you mean --cfg? (python -m trainer "
+                              "--help lists them; overrides are written key=value)"),
+    (["loader=pinned", "--cfg"], "error: --cfg: --cfg takes job, hydra, all: write --cfg=job"),
+    (["-m", "--cfg", "job"], "error: --multirun and --cfg: Hydra does one of these at a time: keep one of them"),
+    (["--resolve"], "error: --resolve: it resolves the config that --cfg or --help prints: add --cfg job, or drop --resolve"),
+    (["--config-name=nope", "-q"], f"error: --config-name=nope: no config nope.yaml in {CONF_DIR} (configs: config): pass "
+                                   "--config-name=<one of those> (or leave it out), or --config-dir=<the folder holding "
+                                   "nope.yaml>"),
+    (["--config-dir=/nonexistent/confs"], "error: --config-dir=/nonexistent/confs: no such folder: pass a folder of "
+                                          "configs that exists, or drop --config-dir"),
+    (["--hydra-help", "loader=pinned"], "error: --hydra-help loader=pinned: Hydra's help shows its own config, which has "
+                                        "none of these keys: drop them, or use --help"),
+])
+def test_a_bad_option_is_one_line_naming_it_and_the_fix(tmp_path, args, expected):
+    proc = run_args(tmp_path, *args)
+    assert only_line(proc) == expected
+    assert proc.stdout == "" and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("flag,shows", [("--help", "python -m trainer --cfg job"), ("--hydra-help", "Hydra (1.")])
+def test_hydras_help_still_works(tmp_path, flag, shows):
+    proc = run_args(tmp_path, flag, "-q")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert shows in proc.stdout
 
 
 # -- the run's folder --------------------------------------------------------------------------------

@@ -5,10 +5,13 @@ for the full trace). Ctrl-C and SIGTERM close the run as KILLED, keeping what it
 exit with 130 and 143. Under torchrun every rank runs this; rank 0 prints (`trainer.loop.distributed`).
 """
 
+import argparse
 import difflib
 import errno
+import importlib
 import math
 import os
+import re
 import signal
 import sys
 
@@ -31,9 +34,12 @@ if _at_start is signal.default_int_handler:  # (not where SIGINT is ignored)
 try:  # one line, no traceback
     import hydra
     import hydra._internal.utils
+    from hydra._internal.utils import get_args_parser
     from hydra.core.hydra_config import HydraConfig
+    from hydra.core.override_parser.types import Override
     from hydra.errors import (CompactHydraException, ConfigCompositionException, MissingConfigException,
-                              OverrideParseException)
+                              OverrideParseException, SearchPathException)
+    from hydra.plugins.sweeper import Sweeper
     from hydra.types import RunMode
     from omegaconf import DictConfig, ListConfig, OmegaConf
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -54,6 +60,7 @@ signal.signal(signal.SIGINT, _at_start)
 
 
 NO_RUN = ("-h", "--help", "--hydra-help", "-i", "--info", "-c", "--cfg", "-sc", "--shell-completion")  # Hydra's: nothing is written
+QUIET = ("-q", "--quiet")  # ours: no end-of-run summary
 
 
 class JobFailed(CompactHydraException):
@@ -105,7 +112,8 @@ def check_current_folder(args) -> None:
     """Installed from a wheel, a run writes outputs/ in the current folder, and Hydra makes its
     folder there before any of our checks runs: a folder we cannot write in would end in Hydra's
     traceback. (A checkout writes in its own outputs/, checked with tracking.uri.)"""
-    if not INSTALLED or any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) or a in NO_RUN for a in args):
+    if not INSTALLED or any(a.startswith(("hydra.run.dir=", "hydra.sweep.dir=")) or a.partition("=")[0] in NO_RUN
+                            for a in args):  # (--cfg=job too)
         return
     if not os.access(BASE_DIR, os.W_OK | os.X_OK):
         key = "hydra.sweep.dir" if {"-m", "--multirun"} & set(args) else "hydra.run.dir"
@@ -133,8 +141,13 @@ def hydra_error_line(err: Exception, multirun: bool) -> str | None:
             quote = "'" if "'" not in value else '"'
             return (f"{err.override}: Hydra reads characters outside ASCII only inside quotes: write "
                     f"{key}={quote}{value}{quote} (in the shell: \"{key}={quote}{value}{quote}\")")
-        return (f"{err.override}: not an override Hydra can read ({str(err.message).splitlines()[0]}): see "
+        return (f"{err.override}: not an override Hydra can read ({_parse_problem(str(err.message))}): see "
                 f"https://hydra.cc/docs/advanced/override_grammar/basic/")
+    if isinstance(err, MissingConfigException) and str(err).startswith("Cannot find primary config"):  # --config-name=nope
+        return _missing_primary_config(err)
+    folder = re.fullmatch(r"Additional config directory '(.*)' not found", str(err))
+    if isinstance(err, SearchPathException) and folder:  # --config-dir=nope
+        return f"--config-dir={folder[1]}: no such folder: pass a folder of configs that exists, or drop --config-dir"
     if isinstance(err, (ConfigCompositionException, OverrideParseException)):  # Hydra's own words, on one line
         detail = f" ({cause.msg.splitlines()[0]})" if isinstance(cause, OmegaConfBaseException) else ""
         return " ".join(str(err).split()) + detail
@@ -147,7 +160,50 @@ def hydra_error_line(err: Exception, multirun: bool) -> str | None:
         else:
             why, fix = err.strerror, f"set {key}=<a folder you can write in>"
         return f"{key}: cannot write the run's folder ({why}{f': {err.filename}' if err.filename else ''}): {fix}"
-    return None
+    return _sweep_error(err) if multirun else None
+
+
+def _parse_problem(message: str) -> str:
+    """What Hydra's grammar found wrong in an override: the line saying why (`range(a,3)`: "TypeError while
+    evaluating ..."), not the one repeating the override, nor the link."""
+    lines = [line for line in message.splitlines() if line and not line.startswith(("Error parsing override", "See "))]
+    return lines[0] if lines else message.splitlines()[0]
+
+
+def _missing_primary_config(err: MissingConfigException) -> str:
+    """`--config-name` naming no config in Hydra's search path (its message lists the folders)."""
+    name = err.missing_cfg_file
+    folders = [folder for folder in re.findall(r"path=file://(\S+)", str(err)) if os.path.isdir(folder)]
+    found = sorted({f[:-len(".yaml")] for folder in folders for f in os.listdir(folder) if f.endswith(".yaml")})
+    return (f"--config-name={name}: no config {name}.yaml in {' or '.join(folders)} (configs: {', '.join(found)}): "
+            f"pass --config-name=<one of those> (or leave it out), or --config-dir=<the folder holding {name}.yaml>")
+
+
+def _sweep_error(err: Exception) -> str | None:
+    """An error while the sweeper expands the overrides into jobs (`loader=range(1,3)`,
+    `range(1,3,0)`, `interval(1,3)`): Hydra raises it bare, naming no override. The override is
+    read from the frames it passed through: the sweeper's, and the innermost holding an Override."""
+    frames = list(_frames(err))
+    sweep = next((f for f in frames if f.f_code.co_name == "sweep" and isinstance(f.f_locals.get("self"), Sweeper)), None)
+    inner = next((f.f_locals["override"] for f in reversed(frames) if isinstance(f.f_locals.get("override"), Override)),
+                 None)
+    if sweep is None or inner is None:
+        return None
+    key = inner.get_key_element()
+    # Either one of the user's overrides, or a job's ("loader=1"), made from the user's sweep of
+    # the same key ("loader=range(1,3)"): name that one.
+    users = [o for o in sweep.f_locals.get("overrides") or () if isinstance(o, Override) and o.is_sweep_override()
+             and o.get_key_element() == key]
+    text = (inner if any(o is inner for o in users) or not users else users[-1]).input_line
+    reason = " ".join(str(err).split())
+    if reason.startswith("Config group override"):  # Hydra's Overrides: a group's value is an option's name
+        options = sweep.f_locals["self"].hydra_context.config_loader.get_group_options(inner.key_or_group)
+        return (f"{text}: {inner.key_or_group} is a config group, swept by option name, and this sweep gives "
+                f"{type(inner.value()).__name__} values: name its options, e.g. {key}={','.join(options[:2])} "
+                f"(options: {', '.join(options)})")
+    return (f"{text}: Hydra cannot expand this sweep ({reason}): write one its basic sweeper takes (a,b,c, "
+            f"range(start,stop,step), choice(...), glob(...)): "
+            f"see https://hydra.cc/docs/advanced/override_grammar/extended/")
 
 
 def _bad_value(cause: OmegaConfBaseException) -> str:
@@ -179,12 +235,15 @@ def override_text(value) -> str:
 
 def _from_the_run(err: BaseException) -> bool:
     """Whether `err` was raised inside our task function (the run), not by Hydra around it."""
+    return any(frame.f_code is main.__wrapped__.__code__ for frame in _frames(err))
+
+
+def _frames(err: BaseException):
+    """The frames `err` passed through, outermost first."""
     tb = err.__traceback__
     while tb is not None:
-        if tb.tb_frame.f_code is main.__wrapped__.__code__:
-            return True
+        yield tb.tb_frame
         tb = tb.tb_next
-    return False
 
 
 def _one_line_hydra_errors(multirun: bool) -> None:
@@ -209,16 +268,94 @@ def _raise(err: BaseException):
     raise err
 
 
+# -- Hydra's command line ----------------------------------------------------------------------------
+def hydra_argv(args: list) -> list:
+    """The arguments for Hydra: our `-q`/`--quiet` becomes the override engine.quiet=true, put
+    first (Hydra's parser then takes overrides on either side of its options, `args_parser`), so
+    that it may stand anywhere, beside any of Hydra's options. An override after a bare `-i`/`--info`
+    is not taken for the info's kind (`-i loader=pinned`: all the info, with loader=pinned)."""
+    # (Not for --hydra-help, which runs nothing and takes only hydra.* overrides.)
+    quiet = ["engine.quiet=true"] if any(a in QUIET for a in args) and "--hydra-help" not in args else []
+    args = [a for a in args if a not in QUIET]
+    return quiet + ["--info=all" if a in ("-i", "--info") and _is_override(args[i + 1:i + 2]) else a
+                    for i, a in enumerate(args)]
+
+
+def _is_override(following: list) -> bool:
+    return bool(following) and "=" in following[0] and not following[0].startswith("-")
+
+
+def args_parser() -> argparse.ArgumentParser:
+    """Hydra's argparse parser, which takes its overrides only in one run (`loader=pinned --cfg job
+    engine.max_steps=3` is refused) and on a bad argument prints its usage and exits 2: here it
+    takes overrides on both sides of its options, and a bad argument is one line, exit 1."""
+    parser = get_args_parser()
+    parser.parse_args = lambda args=None, namespace=None: _one_command(parser.parse_intermixed_args(args, namespace))
+    parser.error = lambda message: _refuse(argument_error_line(message, parser))
+    return parser
+
+
+def _intermixed_parser() -> None:
+    """Hydra's main parses the command line with `args_parser`."""
+    hydra_main = importlib.import_module("hydra.main")  # the module (`hydra.main` is the decorator)
+    hydra_main.get_args_parser = args_parser  # Hydra 1.3's main looks it up there when it runs
+
+
+def _one_command(args: argparse.Namespace) -> argparse.Namespace:
+    """Hydra's own checks of its options, made here: Hydra raises them as a bare ValueError, traced."""
+    given = [option for option, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                       ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(given) > 1:  # -m --cfg job
+        _refuse(f"{' and '.join(given)}: Hydra does one of these at a time: keep one of them")
+    ours = [o for o in args.overrides if not o.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    if args.hydra_help and ours:  # Hydra composes its own config alone for it
+        _refuse(f"--hydra-help {' '.join(ours)}: Hydra's help shows its own config, which has none of these keys: "
+                f"drop them, or use --help")
+    if args.resolve and args.cfg is None and not args.help:
+        _refuse("--resolve: it resolves the config that --cfg or --help prints: add --cfg job, or drop --resolve")
+    return args
+
+
+def _refuse(line: str):
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(EXIT_FAILED)
+
+
+def argument_error_line(message: str, parser: argparse.ArgumentParser) -> str:
+    """The one line for an argument Hydra's parser refuses (argparse's `message`), naming the
+    argument and the fix."""
+    if message.startswith("unrecognized arguments: "):  # --bogus
+        unknown = message[len("unrecognized arguments: "):].split()
+        # An unknown option's value comes along ("--cofg job"): name the options.
+        args = " ".join([a for a in unknown if a.startswith("-")] or unknown)
+        options = [s for a in parser._actions for s in a.option_strings] + list(QUIET)
+        close = difflib.get_close_matches(args.split()[0].split("=")[0], options, n=1)
+        return (f"{args}: not an option of python -m trainer{f'; did you mean {close[0]}?' if close else ''} "
+                f"(python -m trainer --help lists them; overrides are written key=value)")
+    found = re.fullmatch(r"argument (\S+): (invalid choice: '?(.*?)'? \(choose from .*\)|expected one argument)", message)
+    if found is None:  # ambiguous option: --conf could match ...
+        return f"{message}: see python -m trainer --help"
+    option, value = found[1].split("/")[0], found[3]
+    choices = parser._option_string_actions[option].choices
+    takes = f"{option} takes {', '.join(choices)}" if choices else f"{option} takes a value"
+    if value is None:  # --cfg, last
+        return f"{option}: {takes}: write {option}={choices[0] if choices else '<value>'}"
+    close = difflib.get_close_matches(value, choices, n=1)  # --cfg jobx
+    fix = f"; did you mean {option} {close[0]}?" if close else f": write {option} {choices[0]}"
+    return f"{option} {value}: {takes}{fix}"
+
+
 def cli() -> None:
     """Hydra's main, with SIGINT/SIGTERM anywhere (a run, a sweep between jobs) and Hydra's own
     errors ending in one line."""
-    sys.argv = ["engine.quiet=true" if a in ("-q", "--quiet") else a for a in sys.argv]  # no end-of-run summary
+    sys.argv = sys.argv[:1] + hydra_argv(sys.argv[1:])
     try:
         check_current_folder(sys.argv[1:])
         signal.signal(signal.SIGTERM, _terminate)
         distributed.launch()  # under torchrun: join the ranks before Hydra names the output folder
         distributed.quiet_other_ranks()
         _one_line_hydra_errors(multirun=bool({"-m", "--multirun"} & set(sys.argv[1:])))
+        _intermixed_parser()
         main()
     except KeyboardInterrupt as stop:
         signum = getattr(stop, "signum", signal.SIGINT)

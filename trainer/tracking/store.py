@@ -233,8 +233,13 @@ def _check_sqlite(target: str, default: bool) -> None:
         fix = "set tracking.uri=null" if not default else "set tracking.uri=sqlite:////<a writable folder>/mlflow.db"
         raise ConfigError(f"tracking.uri={target}: cannot write in {db.parent} ({e.strerror or e}): "
                           f"use a writable folder or {fix}") from None
+    if _in_use(db) and not _lock_path(db).exists():
+        # Checked read-only before the lock is made, so a file refused gets no <db>.lock beside it.
+        # Only with no lock there: ours make it before they write the file, so this one is not ours
+        # half-way through MLflow's migrations (another program's, the check waits out).
+        _check_mlflow_database(db, target)
     with store_lock(db):
-        if db.exists() and db.stat().st_size:
+        if _in_use(db):
             _check_mlflow_database(db, target)
         else:  # a new database (an empty file too): MLflow makes its tables now, one process at a time
             _make_store(target)
@@ -248,9 +253,18 @@ def store_lock(db: Path) -> Iterator[None]:
     if fcntl is None:
         yield
         return
-    with open(db.with_name(db.name + ".lock"), "a") as lock:  # "a": made if missing, never truncated
+    with open(_lock_path(db), "a") as lock:  # "a": made if missing, never truncated
         fcntl.flock(lock, fcntl.LOCK_EX)
         yield
+
+
+def _lock_path(db: Path) -> Path:
+    return db.with_name(db.name + ".lock")
+
+
+def _in_use(db: Path) -> bool:
+    """Whether `db` holds anything (a missing or empty file is a new store, for MLflow to make)."""
+    return db.exists() and db.stat().st_size > 0
 
 
 def _make_store(target: str) -> None:
