@@ -160,6 +160,15 @@ def test_hydras_help_still_works(tmp_path, flag, shows):
     assert shows in proc.stdout
 
 
+def test_help_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`python -m trainer --help | head`: the reader has gone before the help is written."""
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "--help"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # long before the imports end and the help is printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 1 and err == ""
+
+
 # -- the run's folder --------------------------------------------------------------------------------
 def test_a_file_where_the_run_folder_goes_is_one_line(tmp_path, tracking_uri):
     in_the_way = tmp_path / "taken"

@@ -366,6 +366,10 @@ def cli() -> None:
         if distributed.is_main_process():
             print(f"interrupted by {signal.Signals(signum).name}{how}", file=sys.stderr)
         raise SystemExit(128 + signum) from None
+    except BrokenPipeError:  # `python -m trainer --help | head`: the reader is gone, nothing to say
+        # Python flushes stdout again at exit: point it at /dev/null, or that flush fails too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(EXIT_FAILED) from None
     finally:
         distributed.finish()  # under torchrun: rank 0 done first, then leave the process group
 
