@@ -77,7 +77,7 @@ SWEEP_GRAMMAR = ("write one its basic sweeper takes (a,b,c, range(start,stop,ste
 
 
 @pytest.mark.parametrize("override,expected", ids=["numbers for a group", "a zero step", "an interval", "a bad range",
-                                                   "an empty choice"], argvalues=[
+                                                   "an empty choice", "a glob matching nothing"], argvalues=[
     ("loader=range(1,3)", "error: loader=range(1,3): loader is a config group, swept by option name, and this sweep gives "
                           f"int values: name its options, e.g. loader=baseline,gpu_resident (options: {LOADERS})"),
     ("engine.max_steps=range(1,3,0)", "error: engine.max_steps=range(1,3,0): Hydra cannot expand this sweep (range() arg 3 "
@@ -89,6 +89,8 @@ SWEEP_GRAMMAR = ("write one its basic sweeper takes (a,b,c, range(start,stop,ste
                                     "Union[int, float]): see https://hydra.cc/docs/advanced/override_grammar/basic/"),
     ("loader=choice()", "error: loader=choice(): not an override Hydra can read (ValueError while evaluating 'choice()': "
                         "empty choice is not legal): see https://hydra.cc/docs/advanced/override_grammar/basic/"),
+    ("loader=glob(zzz*)", "error: loader=glob(zzz*): the sweep has no job (a glob() that matches no option, an empty "
+                          "range()?): give each swept key at least one value"),
 ])
 def test_a_sweep_hydra_cannot_expand_is_one_line_and_records_nothing(tmp_path, tracking_uri, override, expected):
     proc = run_cli(tmp_path, tracking_uri, "-m", override, *TINY, "engine.max_steps=5")

@@ -204,6 +204,12 @@ class SweepCallback(Callback):
         if self.parent_id is None:  # on_multirun_start failed (Hydra turned its error into a warning)
             return
         atexit.unregister(self._finish_aborted)
+        client = MlflowClient(self.uri)
+        if not report.children(client, client.get_run(self.parent_id)):  # the overrides swept no value
+            client.delete_run(self.parent_id)  # not "the latest sweep", with nothing in it
+            print(f"error: {' '.join(sweep_overrides(config))}: the sweep has no job (a glob() that matches no "
+                  f"option, an empty range()?): give each swept key at least one value", file=sys.stderr)
+            raise SystemExit(EXIT_FAILED)  # (Hydra turns a callback's exception into a warning)
         self._show(*finish_parent(self.uri, self.parent_id))
 
     def _show(self, keys: List[str], rows: List[dict]) -> None:
