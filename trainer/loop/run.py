@@ -120,7 +120,8 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
             if error is not None:
                 raise error
     except KeyboardInterrupt as stopped:  # closed KILLED: it says what it measured, as a finished run does
-        tell(cfg, getattr(stopped, "run_id", None))
+        if not getattr(stopped, "refused", None):  # (else the one line says what the store refused, and where it went)
+            tell(cfg, getattr(stopped, "run_id", None))
         raise
     finally:
         if journal is not None:  # the run is closed with its records: the journal was their fallback
