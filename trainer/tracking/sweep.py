@@ -204,13 +204,20 @@ class SweepCallback(Callback):
         if self.parent_id is None:  # on_multirun_start failed (Hydra turned its error into a warning)
             return
         atexit.unregister(self._finish_aborted)
-        client = MlflowClient(self.uri)
-        if not report.children(client, client.get_run(self.parent_id)):  # the overrides swept no value
-            client.delete_run(self.parent_id)  # not "the latest sweep", with nothing in it
+        if self._dropped_if_empty():  # the overrides swept no value
             print(f"error: {' '.join(sweep_overrides(config))}: the sweep has no job (a glob() that matches no "
                   f"option, an empty range()?): give each swept key at least one value", file=sys.stderr)
             raise SystemExit(EXIT_FAILED)  # (Hydra turns a callback's exception into a warning)
         self._show(*finish_parent(self.uri, self.parent_id))
+
+    def _dropped_if_empty(self) -> bool:
+        """Delete the parent run when no job ran: an empty parent would be "the latest sweep" for
+        the report (MLflow keeps it in its trash)."""
+        client = MlflowClient(self.uri)
+        if report.children(client, client.get_run(self.parent_id)):
+            return False
+        client.delete_run(self.parent_id)
+        return True
 
     def _show(self, keys: List[str], rows: List[dict]) -> None:
         print(f"sweep {self.parent_id}: {len(rows)} jobs (`python -m trainer.report` prints this again)")
@@ -226,11 +233,7 @@ class SweepCallback(Callback):
         # Interrupted (Ctrl-C, SIGTERM: the entry point notes the signal) or stopped by an error.
         stopped = "KILLED" if faults.stopped_by is not None else "FAILED"
         try:
-            client = MlflowClient(self.uri)
-            if not report.children(client, client.get_run(self.parent_id)):
-                # No job ran (Hydra refused an override of the sweep, or a Ctrl-C came first): an
-                # empty parent would be "the latest sweep" for the report. MLflow keeps it in its trash.
-                client.delete_run(self.parent_id)
+            if self._dropped_if_empty():  # Hydra refused an override of the sweep, or a Ctrl-C came first
                 return
             self._show(*finish_parent(self.uri, self.parent_id, stopped=stopped))
         except Exception as e:
