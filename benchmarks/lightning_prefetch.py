@@ -23,7 +23,7 @@ Each runs twice, in the order default, prefetch, prefetch, default (drift in the
 hits both alike). A fit is `--warmup` steps then `--steps` timed ones: wall clock from the end of
 the warm-up to the end of the last step, the device synced at both ends and nowhere between.
 The first fit of each variant also traces 10 of its warm-up steps with torch.profiler
-(`trainer.tools.profiling`): `trace_h2d_overlap_fraction` is the share of the host->device copy
+(`trainer.loop.profiling`): `trace_h2d_overlap_fraction` is the share of the host->device copy
 time during which a kernel ran (0: in line with the steps, 1: hidden behind them), and
 `trace_kernel_busy_fraction` the share of the traced time during which a kernel ran (well below 1:
 the device waited for the host, and the run says nothing about hiding copies).
@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 from models import build_model
 from trainer import lightning_prefetch
 from trainer.tools.overhead import compose_config
-from trainer.tools.profiling import StepProfiler, copy_overlap
+from trainer.loop.profiling import StepProfiler, copy_overlap
 
 BATCH, SHAPE, DISTINCT = 64, (256, 256), 8  # 8 distinct pinned batches, cycled
 VARIANTS = ("lightning_default", "lightning_prefetch")

@@ -23,7 +23,7 @@ from trainer.loop.meter import StepMeter
 from trainer.loop.run import run
 from trainer.tools import advisor
 from trainer.tools.advisor import Ladder, judge, predict, recommend, candidates, tolerance
-from trainer.tools.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
+from trainer.loop.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
 
 TESTS = Path(__file__).resolve().parent
 # A tiny CPU job, as conftest's TINY, with a model that does nothing (the CPU's step is then only
@@ -89,7 +89,7 @@ def test_a_cpu_run_has_nan_kernel_figures_and_says_why(tiny_cfg, runs):
 
 
 def test_a_failed_window_never_fails_the_run(tmp_path, monkeypatch):
-    monkeypatch.setattr("trainer.tools.profiling._cannot_trace", lambda device: "")
+    monkeypatch.setattr("trainer.loop.profiling._cannot_trace", lambda device: "")
     window = KernelWindow(3, torch.device("cpu"), tmp_path)
     assert window.enabled
     window.run(lambda x, y: x.sum(), iter([(torch.ones(2), torch.ones(2))] * 4))  # no CUDA stream to mark

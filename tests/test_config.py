@@ -171,3 +171,32 @@ def test_no_import_cycle_and_config_imports_no_component():
     assert cycles == []
     assert not {m for m in reachable(graph, "trainer.config")
                 if m.startswith(("datasets", "models", "trainer.loaders", "trainer.loop", "trainer.tracking"))}
+
+
+# The layers, top to bottom: a module imports only from its own layer or those below it.
+LAYERS = (
+    ("tools", ("trainer", "trainer.tools", "trainer.__main__", "trainer.advise", "trainer.report", "trainer.versus",
+               "trainer.overhead", "trainer.fake_data")),
+    ("loop and records", ("trainer.loop", "trainer.tracking")),
+    ("strategies", ("trainer.loaders", "trainer.lightning", "trainer.components")),
+    ("datasets and models", ("datasets", "models", "trainer.memory")),
+    ("config", ("trainer.config", "trainer.errors", "trainer.launch", "trainer.validate")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the layer that owns `module` (the longest prefix wins)."""
+    owners = [(len(prefix), i) for i, (_, prefixes) in enumerate(LAYERS) for prefix in prefixes
+              if module == prefix or module.startswith(prefix + ".")]
+    assert owners, f"{module} belongs to no layer: add it to LAYERS"
+    return max(owners)[1]
+
+
+def test_imports_point_down_the_layers_and_the_loop_imports_no_tool():
+    graph = import_graph(["trainer", "datasets", "models"])
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) imports {d} ({LAYERS[layer_of(d)][0]})"
+                    for m, deps in graph.items() for d in deps if layer_of(d) < layer_of(m))
+    assert upward == []
+    into_tools = sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps
+                        if m.startswith(("trainer.loop", "trainer.tracking")) and d.startswith("trainer.tools"))
+    assert into_tools == []

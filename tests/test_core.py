@@ -114,7 +114,7 @@ def test_host_side_of_the_timed_steps_is_recorded(tiny_cfg, runs):
 # script faults every page in again in some processes (~370,000 faults) and none in others.
 _HEAP_LOOP = """
 import resource, sys, torch
-from trainer.tools.heap import keep_freed
+from trainer.loop.heap import keep_freed
 print(keep_freed() if sys.argv[1] == "steady" else "system")
 for i in range(40):
     if i == 10:

@@ -76,7 +76,7 @@ def test_steady_heap_is_undone_when_the_run_ends(tracking_uri):
 
 def test_steady_heap_holds_during_the_run(monkeypatch, tiny_cfg):
     """Inside the run the thresholds are fixed (the tag says so), and the helper restores them."""
-    from trainer.tools import heap
+    from trainer.loop import heap
 
     calls = []
     monkeypatch.setattr(heap, "_set_thresholds", lambda m, t: calls.append((m, t)) or True)

@@ -28,7 +28,7 @@ from trainer.config import PROJECT_ROOT
 from trainer.loaders import LOADERS
 from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
-from trainer.tools.profiling import copy_overlap
+from trainer.loop.profiling import copy_overlap
 from trainer.tracking.runs import PER_STEP_METRICS
 from trainer.validate import validate
 
@@ -312,7 +312,7 @@ def profiled_steps(trace: Path):
 
 @pytest.mark.parametrize("warmup,expected,synced", [(8, [3, 4, 5, 6, 7], (3, 8)), (3, [1, 2], (1, 3)), (1, [1], (1,))])
 def test_profiler_traces_the_last_warm_up_steps(warmup, expected, synced, tmp_path):
-    from trainer.tools.profiling import StepProfiler
+    from trainer.loop.profiling import StepProfiler
     profiler = StepProfiler(True, tmp_path, skip=warmup)
     for _ in range(12):
         torch.ones(8).sum()

@@ -27,7 +27,7 @@ from datasets import build_dataset
 from trainer.config import PROJECT_ROOT
 from trainer.errors import ConfigError
 from trainer.loaders import build_loader
-from trainer.tools.plain_loop import annotate
+from trainer.tracking.plain import annotate
 from trainer.validate import validate
 
 from clirun import run_cli

@@ -293,7 +293,7 @@ def test_a_sweep_prints_its_table_once_and_no_summary_per_job(tmp_path, tracking
 
 
 def test_a_cpu_run_with_the_profiler_prints_nothing_from_it(tmp_path):
-    code = ("import sys, torch; from trainer.tools.profiling import StepProfiler\n"
+    code = ("import sys, torch; from trainer.loop.profiling import StepProfiler\n"
             f"p = StepProfiler(True, {str(tmp_path)!r}, skip=4)\n"
             "for _ in range(6):\n    torch.ones(8).sum(); p.step()\n"
             "print(p.close())")

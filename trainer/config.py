@@ -208,10 +208,10 @@ class EngineConfig:
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around forward+loss (fp16 adds a gradient scaler)
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
-    steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.tools.heap)
+    steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.loop.heap)
     gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
     journal_s: float = 2.0  # seconds between writes of the measured steps to the run's journal (0: none; trainer.tracking.journal)
-    kernel_window_steps: int = 20  # steps traced after the timed region for the kernels' own figures (0: none; trainer.tools.profiling)
+    kernel_window_steps: int = 20  # steps traced after the timed region for the kernels' own figures (0: none; trainer.loop.profiling)
     objective: str = "throughput_samples_per_s"  # the summary figure returned to Hydra, for a sweeper to optimise (OBJECTIVES)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only

@@ -48,7 +48,7 @@ from trainer.launch import LAUNCH_TIME_ENV
 from trainer.loaders.order import Shard
 from trainer.loop.engine import planned_steps
 from trainer.loop.verify import combine_ranks
-from trainer.tools.limits import h2d_burst
+from trainer.loop.limits import h2d_burst
 
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",

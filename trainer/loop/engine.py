@@ -20,7 +20,7 @@ def planned_steps(cfg, loader) -> int:
 
 def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None, window=None) -> int:
     """Run `planned_steps(cfg, loader)` steps over `loader`, epoch after epoch; returns steps done.
-    `window` (`trainer.tools.profiling.KernelWindow`): steps traced after the timed region."""
+    `window` (`trainer.loop.profiling.KernelWindow`): steps traced after the timed region."""
     # Read the config once: an OmegaConf attribute costs ~10 us, more than a small graphed step's budget.
     total, warmup = planned_steps(cfg, loader), cfg.warmup_steps
     bar = tqdm(total=total, file=sys.stderr, mininterval=0.5, unit="step", leave=False,

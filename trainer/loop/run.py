@@ -34,10 +34,10 @@ from trainer.loop.meter import StepMeter
 from trainer.loop.steps import build_optimizer
 from trainer.loop.verify import Checksum
 from trainer.memory import check_model_fits
-from trainer.tools.environment import describe
-from trainer.tools.heap import steady_heap
-from trainer.tools.limits import h2d_bandwidth
-from trainer.tools.profiling import KernelWindow, StepProfiler, copy_overlap
+from trainer.loop.environment import describe
+from trainer.loop.heap import steady_heap
+from trainer.loop.limits import h2d_bandwidth
+from trainer.loop.profiling import KernelWindow, StepProfiler, copy_overlap
 from trainer.tracking.journal import JOURNAL, Journal, owner_tags, recover_dead_runs
 from trainer.tracking.run_summary import tell
 from trainer.tracking.runs import Tracker
@@ -96,7 +96,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
         ranks.validate(cfg)
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
-    # Before anything is allocated for the run, and undone after it (trainer.tools.heap).
+    # Before anything is allocated for the run, and undone after it (trainer.loop.heap).
     journal = None
     # The run's scratch folder (profiler traces, a remote store's journal): it outlives the MLflow
     # run, whose files are saved when it closes, and goes with it.

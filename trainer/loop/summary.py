@@ -11,7 +11,7 @@ The GPU figures here come from CUDA events around the step on the compute stream
 step from its first launch to its last, so for an eager step whose host launches slower than the
 device runs them, they include the host's gaps between launches. Their names say so
 (`compute_stream_span_fraction`, `h2d_beside_step_fraction`); what the kernels themselves did is
-measured by the kernel window (`trainer.tools.profiling.kernel_figures`).
+measured by the kernel window (`trainer.loop.profiling.kernel_figures`).
 """
 
 from __future__ import annotations

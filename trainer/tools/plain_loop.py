@@ -30,16 +30,14 @@ JSON line: the wall time per timed step and the process's minor page faults and 
 timed step over the same region.
 
 `python -m trainer.report --plain` runs it (the engine's step) for every finished job of a sweep,
-from the job's own `config.yaml`, and logs `plain_ms_per_step` and `engine_vs_plain` on the job's run.
+from the job's own `config.yaml`, and logs `plain_ms_per_step` and `engine_vs_plain` on the job's run
+(`trainer.tracking.plain`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import tempfile
 import time
 
 from typing import Optional
@@ -55,7 +53,7 @@ from trainer.loaders import build_loader
 from trainer.loop.engine import planned_steps
 from trainer.loop.clock import host_usage  # the engine's own count of faults and CPU time
 from trainer.loop.steps import build_optimizer, make_step
-from trainer.tools.heap import keep_freed
+from trainer.loop.heap import keep_freed
 from trainer.tools.turns import pause_if_asked
 from trainer.validate import resolve
 
@@ -166,7 +164,7 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if cfg.engine.get("steady_heap", True):
-        keep_freed()  # as `python -m trainer` does (trainer.tools.heap)
+        keep_freed()  # as `python -m trainer` does (trainer.loop.heap)
     torch.manual_seed(cfg.engine.seed)
     dataset = build_dataset(cfg.dataset)
     loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
@@ -198,41 +196,6 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict
             "plain_host_page_faults_per_step": (usage1[0] - clock.usage0[0]) / timed,
             "plain_host_cpu_ms_per_step": (usage1[1] - clock.usage0[1]) * 1e3 / timed,
             "plain_timed_steps": timed}
-
-
-def run_script(config_path: str) -> dict:
-    """`measure` in a fresh process (a plain script, as the reference must be)."""
-    proc = subprocess.run([sys.executable, "-m", "trainer.tools.plain_loop", "--config", config_path],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def annotate(client, runs, log=print) -> None:
-    """Give each finished single-process run its plain-loop reference: the same config, run
-    again as a plain loop, logged on the run as `plain_*` metrics and `engine_vs_plain`
-    (the run's ms/step over the plain loop's). Runs that already have one are left alone."""
-    for r in runs:
-        metrics = r.data.metrics
-        if (r.info.status != "FINISHED" or "ms_per_step" not in metrics or "plain_ms_per_step" in metrics
-                or int(r.data.tags.get("world_size", "1")) > 1):
-            continue
-        with tempfile.TemporaryDirectory(prefix="feedbench-plain-") as tmp:
-            path = client.download_artifacts(r.info.run_id, "config.yaml", tmp)
-            try:
-                figures = run_script(path)
-            except RuntimeError as e:
-                log(f"warning: no plain-loop reference for run {r.info.run_name!r}: {e}")
-                continue
-        if not figures.get("plain_timed_steps"):
-            continue
-        figures["engine_vs_plain"] = metrics["ms_per_step"] / figures["plain_ms_per_step"]
-        for key, value in figures.items():
-            client.log_metric(r.info.run_id, key, float(value))
-        r.data.metrics.update(figures)  # so a table built from these runs shows them
-        log(f"{r.info.run_name}: engine {metrics['ms_per_step']:.3f} ms/step, "
-            f"plain loop {figures['plain_ms_per_step']:.3f}, ratio {figures['engine_vs_plain']:.3f}")
 
 
 def main() -> None:

@@ -451,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     single = parent.data.tags.get("sweep") != "true"  # --run of a run of its own, not of a sweep
     if args.plain:
-        from trainer.tools.plain_loop import annotate  # runs the loaders: only loaded when asked for
+        from trainer.tracking.plain import annotate  # runs the plain loop's program: only loaded when asked for
         annotate(client, [parent] if single else children(client, parent), log=lambda line: print(line, file=sys.stderr))
     if single:
         run = client.get_run(parent.info.run_id)  # with what --plain logged
