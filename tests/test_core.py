@@ -371,10 +371,27 @@ def _overhead_sh(tmp_path, *args):
     return proc, calls
 
 
-def test_overhead_script_covers_every_strategy_eager_and_graphed(tmp_path):
-    """`bash benchmarks/overhead.sh` times every registered strategy, eager and graphed, each against
-    both references on the reference workload, and joins the parts' tables into one."""
-    proc, calls = _overhead_sh(tmp_path, "--quick")
+def test_overhead_script_by_default_is_one_call_of_every_strategy_in_rounds(tmp_path):
+    """`bash benchmarks/overhead.sh`: one `trainer.overhead` call, in rounds, every registered
+    strategy (`--loaders all`, expanded from the registry by the tool), eager and graphed, against
+    both references on the reference workload, under its own time limit; its total time printed."""
+    proc, calls = _overhead_sh(tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    (call,) = calls
+    args = call.split()
+    assert args[:2] == ["-m", "trainer.overhead"] and "--reference both" in call and "--method rounds" in call
+    assert "--loaders all" in call and "--graph both" in call and "--repeats 6" in call
+    assert "experiment=bench_strategies" in args and "engine.device=cuda" in args
+    assert proc.stdout.splitlines()[-1].startswith("total: ")
+    assert (tmp_path / "outputs" / "overhead.md").read_text().splitlines()[2] == "| all | both |"
+    proc, calls = _overhead_sh(tmp_path / "outputs", "--part", "eager")
+    assert proc.returncode == 2 and calls == []
+    assert proc.stderr.strip() == "error: --part and --quick are options of --processes: add --processes, or leave them out"
+
+
+def test_overhead_script_in_processes_covers_every_strategy_eager_and_graphed(tmp_path):
+    """`--processes`: the same table part by part from fresh processes, joined into one."""
+    proc, calls = _overhead_sh(tmp_path, "--processes", "--quick")
     assert proc.returncode == 0, proc.stderr
     covered = set()
     for call in calls:
@@ -390,14 +407,107 @@ def test_overhead_script_covers_every_strategy_eager_and_graphed(tmp_path):
 
 
 def test_overhead_script_runs_one_part_and_refuses_an_unknown_one(tmp_path):
-    proc, calls = _overhead_sh(tmp_path, "--quick", "--part", "graphed", "--repeats", "2")
+    proc, calls = _overhead_sh(tmp_path, "--processes", "--quick", "--part", "graphed", "--repeats", "2")
     assert proc.returncode == 0, proc.stderr
     (call,) = calls
     assert "--graph graphed" in call and "--loaders pinned_chunk,gpu_resident,pinned_uva" in call and "--repeats 2" in call
     assert (tmp_path / "outputs" / "overhead_quick.md").read_text().splitlines()[2] == "| pinned_chunk,gpu_resident,pinned_uva | graphed |"
-    proc, calls = _overhead_sh(tmp_path / "outputs", "--part", "graph")
+    proc, calls = _overhead_sh(tmp_path / "outputs", "--processes", "--part", "graph")
     assert proc.returncode == 2 and calls == []
     assert proc.stderr.strip() == "error: --part graph is not a part: use one of dataloader, eager, gather, graphed"
+
+
+def test_overhead_rounds_put_every_side_in_every_process_and_every_place():
+    """A round runs each side once; over as many rounds as sides, each side has run in every worker
+    process and in every place of the round's order."""
+    from trainer.tools.overhead import plan_round
+    sides = ["engine", "plain", "hand"]
+    plans = [plan_round(r, sides) for r in range(6)]
+    for plan in plans:
+        assert sorted(s for s, _ in plan) == sorted(sides) and sorted(w for _, w in plan) == [0, 1, 2]
+    for side in sides:
+        for first in (0, 3):
+            workers = [w for plan in plans[first:first + 3] for s, w in plan if s == side]
+            places = [[s for s, _ in plan].index(side) for plan in plans[first:first + 3]]
+            assert sorted(workers) == [0, 1, 2] and sorted(places) == [0, 1, 2], (side, workers, places)
+    assert [plan_round(r, ["engine", "plain"]) for r in range(2)] == [[("engine", 0), ("plain", 1)],
+                                                                      [("plain", 0), ("engine", 1)]]
+
+
+class _FakeWorker:
+    """Answers as a worker would, with ms/step from `figures(side, n)` for its n-th run of that side."""
+
+    def __init__(self, figures, runs):
+        self.figures, self.runs = figures, runs
+
+    def ask(self, side, overrides):
+        self.runs.append((side, overrides[-1]))
+        ms = self.figures(side, sum(1 for s, _ in self.runs if s == side))
+        common = {"host_page_faults_per_step": 0.0, "host_cpu_ms_per_step": ms}
+        if side == "engine":
+            return {"ms_per_step": ms, **common}
+        return {"plain_ms_per_step": ms, "plain_host_page_faults_per_step": 0.0, "plain_host_cpu_ms_per_step": ms}
+
+
+def test_overhead_rounds_stop_once_the_intervals_are_tight_and_not_before_every_process():
+    from trainer.tools.overhead import measure_rounds
+    runs = []
+    steady = [_FakeWorker(lambda side, n: {"engine": 1.01, "plain": 1.0, "hand": 1.0}[side], runs) for _ in range(3)]
+    lines = []
+    rows = measure_rounds(steady, ["loader=pinned"], ["plain", "hand"], rounds=9, turn_s=0.5, warmup=10, log=lines.append)
+    assert len(lines) == 3  # every side in every process once, then the intervals are a point: done
+    assert runs[0] == ("plain", "engine.max_steps=40") and len(runs) == 1 + 9  # the first run sets the length
+    assert {o for _, o in runs[1:]} == {"engine.max_steps=510"}  # 0.5 s at 1 ms/step, after the 10 warm-up steps
+    assert [(r["reference"], r["ratio"], r["method"]) for r in rows] == [("plain", pytest.approx(1.01), "rounds"),
+                                                                         ("hand", pytest.approx(1.01), "rounds")]
+    runs.clear()
+    noisy = [_FakeWorker(lambda side, n: 1.0 + 0.2 * (n % 2) * (side == "engine"), runs) for _ in range(3)]
+    lines.clear()
+    rows = measure_rounds(noisy, ["loader=pinned"], ["plain", "hand"], rounds=5, turn_s=0.5, warmup=10, log=lines.append)
+    assert len(lines) == 5 and rows[0]["ratio_min"] == pytest.approx(1.0) and rows[0]["ratio_max"] == pytest.approx(1.2)
+
+
+def test_overhead_loaders_all_is_every_registered_strategy(monkeypatch, capsys):
+    from trainer.tools import overhead
+    asked = []
+    monkeypatch.setattr(overhead, "_main_rounds", lambda args, base, loaders, warmup, rows: asked.append(loaders))
+    overhead.main(["--method", "rounds", "--loaders", "all", "engine.device=cpu"])
+    assert asked == [list(LOADERS)]
+    assert capsys.readouterr().out.splitlines()[-1].startswith("total: ")
+
+
+def test_overhead_in_rounds_times_the_engine_and_both_references_in_warm_processes(tmp_path, capsys):
+    """`--method rounds` for real, on the CPU: three warm processes, one run of each side a round."""
+    from trainer.overhead import main
+    table = tmp_path / "overhead.md"
+    main(["--method", "rounds", "--repeats", "3", "--turn-ms", "50", "--reference", "both", "--loaders", "pinned",
+          "--markdown", str(table), "engine.device=cpu", "dataset.num_samples=96", "dataset.shape=[8,8]",
+          "loader.batch_size=16", "engine.warmup_steps=5"])
+    out = capsys.readouterr().out
+    rounds = [line.split() for line in out.splitlines() if line.strip().startswith("round")]
+    assert len(rounds) == 3
+    # "round 1: engine E ms/step, plain P (E/P), hand H (E/H); N timed steps a run, ..."
+    for words in rounds:
+        engine, plain, hand = float(words[3]), float(words[6]), float(words[9])
+        assert engine > 0 and plain > 0 and hand > 0
+        assert float(words[7].strip("(),")) == pytest.approx(engine / plain, rel=0.01)  # printed to 0.001 ms
+        assert float(words[10].strip("();")) == pytest.approx(engine / hand, rel=0.01)
+    cells = {line.split("|")[4].strip(): [c.strip() for c in line.strip("|").split("|")]
+             for line in table.read_text().splitlines() if line.startswith("| `pinned`")}
+    assert set(cells) == {"plain loop, engine's step", "hand-written step"}
+    for row in cells.values():
+        assert row[1:3] == ["no", "rounds"] and float(row[4]) > 0 and float(row[5]) > 0 and row[7] != "–"
+
+
+def test_overhead_in_rounds_a_side_that_fails_is_one_line_naming_it(tmp_path):
+    """The hand-written step needs a model with parameters: the worker's reason, in one line, exit 1."""
+    proc = subprocess.run([sys.executable, "-m", "trainer.overhead", "--method", "rounds", "--reference", "hand",
+                           "--loaders", "baseline", "model=noop", "engine.device=cpu", "dataset.num_samples=32",
+                           "dataset.shape=[4,4]", "loader.batch_size=8"], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("error: hand, ") and "the hand-written step trains a model with parameters" in proc.stderr
 
 
 def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):

@@ -91,11 +91,25 @@ def test_run_checksums_equal_baselines(tiny_cfg, runs):
     assert degraded == {"baseline": "false", "pinned_uva": "true"}
 
 
-@pytest.mark.parametrize("key", ["depth", "ctas"])
-def test_rejects_no_depth_or_ctas(key):
-    cfg = compose_config(*TINY, "loader=pinned_uva", f"loader.{key}=0")
-    with pytest.raises(ConfigError, match=rf"^loader\.{key} must be >= 1 \(got 0\): set loader\.{key}=\d+$"):
+@pytest.mark.parametrize("key, value, message", [
+    ("depth", 0, r"^loader\.depth must be >= 1 \(got 0\): set loader\.depth=2$"),
+    ("ctas", -1, r"^loader\.ctas must be >= 0 \(got -1\): set loader\.ctas=0 \(chosen from the row size\)$")])
+def test_rejects_no_depth_or_negative_ctas(key, value, message):
+    cfg = compose_config(*TINY, "loader=pinned_uva", f"loader.{key}={value}")
+    with pytest.raises(ConfigError, match=message):
         build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
+
+
+def test_gather_blocks_follow_the_row_size():
+    """`loader.ctas=0` (the default): enough blocks for 128 KiB of reads in flight, 4 to 32."""
+    pytest.importorskip("triton")
+    from trainer.loaders.uva_gather import auto_ctas
+    assert auto_ctas(256 << 10) == 4  # the reference workload's rows: the link's rate with 4 (H100)
+    assert auto_ctas(32 << 10) == 4  # a block reads 32 KiB at a time: bigger rows need no more blocks
+    assert auto_ctas(16 << 10) == 8
+    assert auto_ctas(3 * 32 * 32) == 32  # CIFAR's uint8 images: 43 wanted, the most is 32
+    assert auto_ctas(28 * 28 * 4) == 32 and auto_ctas(1) == 32
+    assert compose_config(*TINY, "loader=pinned_uva").loader.ctas == 0
 
 
 def test_an_iterator_never_read_leaves_the_epoch_alone():
@@ -363,3 +377,28 @@ def test_gpu_without_triton_gathers_on_the_host_and_is_tagged_degraded(tiny_cfg,
     assert "loader=pinned_uva gathers on the host (Triton is not available: test)" in capsys.readouterr().err
     found = {r.data.tags["strategy"]: (r.data.tags["data_checksum"], r.data.tags["degraded"]) for r in runs()}
     assert found["pinned_uva"] == (found["baseline"][0], "true"), found
+
+
+@gpu
+def test_gpu_a_dataset_larger_than_its_share_of_the_gpu_trains_through_pinned_uva(tiny_cfg, runs):
+    """`engine.gpu_memory_fraction` below the dataset's size: `gpu_resident` is refused in one line
+    naming the key; `pinned_uva` trains on the same data, every batch `baseline`'s."""
+    total = torch.cuda.mem_get_info()[1]
+    common = ("dataset.num_samples=4096", "dataset.shape=[256,256]", "loader.batch_size=64", "engine.epochs=1",
+              "engine.verify=true", "model=noop", f"engine.gpu_memory_fraction={(768 << 20) / total:.6f}")  # 1 GiB of data, 768 MiB allowed
+    with pytest.raises(ConfigError, match=r"^loader=gpu_resident needs 1\.00 GiB of GPU memory but only .* GiB is free "
+                                          r"to this run \(engine\.gpu_memory_fraction=.*\): use loader=pinned_chunk"):
+        run(_gpu_cfg(tiny_cfg, "loader=gpu_resident", *common))
+    run(_gpu_cfg(tiny_cfg, "loader=baseline", *common))
+    summary = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common))
+    assert summary["total_steps"] == 64 and summary["h2d_GBps"] > 0
+    found = {r.data.tags["strategy"]: r.data.tags["data_checksum"] for r in runs() if r.info.status == "FINISHED"}
+    assert found["pinned_uva"] == found["baseline"], found
+    run(_gpu_cfg(tiny_cfg, "loader=gpu_resident", *common[:-1]))  # the next run in the process has the whole GPU again
+
+
+def test_gpu_memory_fraction_is_a_share(tiny_cfg):
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=rf"^engine\.gpu_memory_fraction must be above 0 and at most 1 \(got {bad}\): "
+                                              r"set engine\.gpu_memory_fraction=1\.0"):
+            run(tiny_cfg(f"engine.gpu_memory_fraction={bad}"))

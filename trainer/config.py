@@ -212,6 +212,7 @@ class EngineConfig:
     gpu_timing_every: int = 8  # CUDA events time the steps (and copies) of one run of 32 in every N; 1: all (trainer.loop.meter)
     journal_s: float = 2.0  # seconds between writes of the measured steps to the run's journal (0: none; trainer.tracking.journal)
     kernel_window_steps: int = 20  # steps traced after the timed region for the kernels' own figures (0: none; trainer.loop.profiling)
+    gpu_memory_fraction: float = 1.0  # share of the GPU's memory the run may use, as on a smaller card (e.g. a dataset larger than it)
     objective: str = "throughput_samples_per_s"  # the summary figure returned to Hydra, for a sweeper to optimise (OBJECTIVES)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lightning: LightningConfig = field(default_factory=LightningConfig)  # engine.loop=lightning only
@@ -223,6 +224,9 @@ class EngineConfig:
         at_least("engine.gpu_timing_every", self.gpu_timing_every, 1, 8)
         at_least("engine.journal_s", self.journal_s, 0, "2 (or 0: no journal)")
         at_least("engine.kernel_window_steps", self.kernel_window_steps, 0, "20 (or 0: no kernel window)")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            raise ConfigError(f"engine.gpu_memory_fraction must be above 0 and at most 1 (got {self.gpu_memory_fraction:g}): "
+                              f"set engine.gpu_memory_fraction=1.0 (the whole GPU) or a share such as 0.25")
         if self.objective not in OBJECTIVES:
             raise ConfigError(f"engine.objective must be one of {', '.join(OBJECTIVES)} (got {self.objective!r}): "
                               f"set engine.objective=throughput_samples_per_s")

@@ -38,12 +38,32 @@ def check_host_fits(needed: int, what: str, fix: Union[str, Callable[[int], str]
                           f"is available: {fix(free) if callable(fix) else fix}")
 
 
+_FRACTION: dict = {}  # CUDA device index -> the share of its memory this process may use (engine.gpu_memory_fraction)
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def limit_gpu_memory(fraction: float, device: torch.device) -> None:
+    """Let this process allocate at most `fraction` of `device`'s memory, as a card that much smaller
+    would (PyTorch's caching allocator refuses past it), and `check_gpu_fits` count with that share.
+    1.0: the whole card, which also lifts a limit an earlier run of the process set."""
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    _FRACTION[_index(device)] = fraction
+
+
 def check_gpu_fits(needed: int, device: torch.device, what: str, fix: Union[str, Callable[[int], str]]) -> None:
-    """Fail before allocating `needed` bytes on `device` when they are not free there."""
+    """Fail before allocating `needed` bytes on `device` when they are not free there (within the
+    share `limit_gpu_memory` allows, when it allows less than the card)."""
     free, total = torch.cuda.mem_get_info(device)
+    fraction, limited = _FRACTION.get(_index(device), 1.0), ""
+    if fraction < 1.0:
+        free = max(0, min(free, int(fraction * total) - torch.cuda.memory_reserved(device)))
+        limited = f" to this run (engine.gpu_memory_fraction={fraction:g})"
     if needed > free:
         raise ConfigError(f"{what} needs {needed / 2**30:.2f} GiB of GPU memory but only {free / 2**30:.2f} GiB "
-                          f"of {total / 2**30:.2f} GiB is free: {fix(free) if callable(fix) else fix}")
+                          f"of {total / 2**30:.2f} GiB is free{limited}: {fix(free) if callable(fix) else fix}")
 
 
 def host_buffer_bytes(nbytes: int, pinned: bool) -> int:

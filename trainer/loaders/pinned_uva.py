@@ -6,7 +6,8 @@ dtype (uint8 images cross PCIe as bytes and become model input on the device). E
 gathered by one kernel launch (`trainer.loaders.uva_gather`) that reads its rows over PCIe
 (unified virtual addressing) into a ring of device buffers, and its labels from a copy of them
 on the device. The gathers run on a side stream, `loader.depth` batches ahead of the step, on
-`loader.ctas` thread blocks: few, so the step keeps the SMs (see `uva_gather`). Each epoch visits
+`loader.ctas` thread blocks, by default as few as keep the link busy for the dataset's row size,
+so the step keeps the other SMs (see `uva_gather.auto_ctas`). Each epoch visits
 the samples in `epoch_order`, exactly as `baseline` does: the same batches, in the same order.
 
 The ring holds `loader.depth + 2` slots, each with two events made (and recorded) once: `ready`,
@@ -52,12 +53,12 @@ class PinnedUvaLoader(DeviceLoader):
 
         name: str = "pinned_uva"
         depth: int = 2  # batches gathered ahead on the side stream (depth + 2 device slots)
-        ctas: int = 4  # thread blocks of the gather kernel: few leave the SMs to a GPU-bound step; 16-32 for a copy-bound run
+        ctas: int = 0  # thread blocks of the gather kernel; 0: from the row size (4 for rows of 32 KiB and more, up to 32 for small rows)
 
         def __post_init__(self):
             super().__post_init__()
             at_least("loader.depth", self.depth, 1, 2)
-            at_least("loader.ctas", self.ctas, 1, 4)
+            at_least("loader.ctas", self.ctas, 0, "0 (chosen from the row size)")
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
@@ -240,7 +241,7 @@ def _kernel(x: torch.Tensor, y: torch.Tensor, y_dev: torch.Tensor, ctas: int, sl
         from trainer.loaders import uva_gather  # imports Triton: only for a CUDA run that uses it
     except ImportError as e:
         return None, f"Triton is not available: {e}"
-    gather = uva_gather.RowGather(x, y_dev, ctas)
+    gather = uva_gather.RowGather(x, y_dev, ctas or uva_gather.auto_ctas(x[0].nbytes))
     target, target_y = gather.lanes(slot[0]), slot[1]
     m = min(3, len(x), len(target))
     rows = torch.arange(len(x) - 1, len(x) - 1 - m, -1)  # the last rows, reversed

@@ -33,7 +33,7 @@ from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.meter import StepMeter
 from trainer.loop.steps import build_optimizer
 from trainer.loop.verify import Checksum
-from trainer.memory import check_model_fits
+from trainer.memory import check_model_fits, limit_gpu_memory
 from trainer.loop.environment import describe
 from trainer.loop.heap import steady_heap
 from trainer.loop.limits import h2d_bandwidth
@@ -86,13 +86,16 @@ def loop_named(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
+def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None) -> dict:
     """One experiment: returns the summary metrics (also logged to MLflow). `on_timed_start`: what
-    to call where the timed region begins (a harness's pause, `trainer.tools.turns`)."""
+    to call where the timed region begins (a harness's pause, `trainer.tools.turns`). `dataset`: a
+    harness's dataset already built from `cfg.dataset`, shared by its runs (`trainer.tools.rounds`)."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
         job = validate(cfg)  # the typed sections each part is built from
         device = ranks.device(select_device(cfg.engine.device))  # this rank's GPU, current from here on
+        if device.type == "cuda":  # every run sets it: 1.0 lifts what an earlier run in the process set
+            limit_gpu_memory(cfg.engine.gpu_memory_fraction, device)
         ranks.validate(cfg)
         check_tracking_uri(cfg.tracking.uri)
     torch.manual_seed(cfg.engine.seed)
@@ -103,7 +106,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = ()) -> dict:
     try:
         with tempfile.TemporaryDirectory(prefix="feedbench-") as tmp, steady_heap(cfg.engine.steady_heap) as heap, \
                 _opened(cfg, ranks, device, heap) as (stop, tracker):
-            parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start)
+            parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start, dataset)
             journal = _journal(parts, tracker) if ranks.is_main else None
             error = None
             try:
@@ -148,12 +151,12 @@ def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tupl
 
 
 def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
-          on_timed_start: Sequence[Callable] = ()) -> Parts:
+          on_timed_start: Sequence[Callable] = (), dataset=None) -> Parts:
     """The parts, each from its own typed section of `job` (`validate`); checks that need the
-    dataset come first."""
+    dataset come first. `dataset`: one built from `job.dataset` already (else built here)."""
     mem_base = gpu_memory_baseline(device)
     with ranks.agree():
-        dataset = build_dataset(job.dataset)
+        dataset = build_dataset(job.dataset) if dataset is None else dataset
         check_against_dataset(job, dataset)
         check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
         loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)

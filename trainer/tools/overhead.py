@@ -1,7 +1,7 @@
 """What the engine costs: `python -m trainer` against a plain loop over the same loader.
 
-    python -m trainer.overhead [--repeats 3] [--loaders baseline,prefetch] [--graph eager|graphed|both]
-                               [--reference plain|hand|both] [--method auto|pairs|turns] [--turn-ms 100]
+    python -m trainer.overhead [--repeats 3] [--loaders baseline,prefetch|all] [--graph eager|graphed|both]
+                               [--reference plain|hand|both] [--method auto|pairs|turns|rounds] [--turn-ms 100]
                                [--markdown FILE] [hydra overrides...]
 
 For every strategy (and eager and/or CUDA-graphed step) it compares, `--repeats` times, two fresh
@@ -17,8 +17,20 @@ processes on the same composed config:
     `engine.cuda_graph=true` a graph captured by hand as PyTorch's docs show;
   - `both`: each variant against each of them, one row per reference.
 
-Two ways to run them (`--method`):
+Three ways to run them (`--method`):
 
+- `rounds` (what `benchmarks/overhead.sh` runs): one warm process per side, started once for the
+  whole table (`python -m trainer.tools.overhead --serve` runs `trainer.loop.run.run(cfg)`, what
+  `python -m trainer` calls once Hydra has composed the config; `trainer.tools.plain_loop --serve`
+  runs each reference, a plain script that imports no MLflow). Each process builds a dataset once
+  and keeps it for every run of the same `dataset` config; every run builds its own loader, model
+  and optimizer, as a fresh process does. A round asks each side for one run of the same config,
+  one process at a time (no two sides ever share the GPU or the host's cores), the side that goes
+  first rotating from round to round; a run's timed region lasts about `--turn-ms` (its steps are
+  set from a first short run of the reference), so the sides of a round draw from the same few
+  seconds of a host whose speed drifts. The interval is over the rounds' ratios. Right for eager
+  and graphed steps alike, and the whole table, every strategy eager and graphed against both
+  references, fits a few minutes.
 - `pairs`: one process after the other, the side that goes first alternating from pair to pair
   (engine, plain; plain, engine; ...); each side's ms/step over its timed steps. Right for a
   GPU-bound step (a CUDA graph), whose speed does not depend on the host's.
@@ -29,7 +41,7 @@ Two ways to run them (`--method`):
   processes a minute apart that is up to 25% of noise per pair, in turns a tenth of a second
   apart both sides draw from the same seconds. Not for a GPU-bound step: the GPU work one side
   leaves queued at a switch can outlast the other's turn.
-- `auto` (the default): `turns` for an eager step, `pairs` for a CUDA-graphed one.
+- `auto` (the default): `turns` for an eager step, `pairs` for a CUDA-graphed one (fresh processes).
 
 It prints each repeat's ratio (engine ÷ reference: 1.00 means the engine adds nothing) and, per
 variant, the medians and a 95% interval of the ratio (whether the measurements tell it apart
@@ -52,33 +64,16 @@ import time
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from hydra import compose, initialize_config_dir
-
-from trainer.config import CONF_DIR
 from trainer.tools import turns as turns_
+from trainer.tools.compose import compose_config
 
 GRAPH = {"eager": ["false"], "graphed": ["true"], "both": ["false", "true"]}
 REFERENCE = {"plain": ["plain"], "hand": ["hand"], "both": ["plain", "hand"]}
 # Each reference's name in the table, and the plain loop's `--step` that runs it.
 REFERENCE_NAME = {"plain": "plain loop, engine's step", "hand": "hand-written step"}
 REFERENCE_STEP = {"plain": "engine", "hand": "hand"}
-METHODS = ("auto", "pairs", "turns")
+METHODS = ("auto", "pairs", "turns", "rounds")
 QUICK = ["engine.progress=false"]
-
-
-def compose_config(overrides: Sequence[str]):
-    """The config `python -m trainer <overrides>` would run; a bad override ends the program
-    with Hydra's one-line reason, as `python -m trainer` does."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    import trainer.components  # noqa: F401  (registers every dataset, loader and model option)
-    try:
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            return compose("config", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as e:
-        reason = " ".join(str(e).split())  # Hydra's message spans lines: the key and the fix, on one
-        raise SystemExit(f"error: {reason}") from None
 
 
 def _run(cmd: List[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -198,6 +193,137 @@ def measure_turns(overrides: List[str], repeats: int, tmp: Path, turn_s: float =
     return _summary("turns", reference, engine, plain, ratios, pairs)
 
 
+# -- rounds: warm processes, every side in every process in turn ----------------------------------
+ANSWER = "@overhead "  # a worker's answer line on its stdout (anything else it prints is left alone)
+SIDES = ("engine", *REFERENCE_STEP)  # what a worker runs: the engine's run(), or a reference's plain loop
+
+
+def serve() -> None:
+    """A worker of `--method rounds` (`python -m trainer.tools.overhead --serve`): for each line on
+    stdin, `{"side": one of SIDES, "overrides": [...]}`, compose the config, build its dataset (or
+    reuse the last one, when `cfg.dataset` is the same), run that side once and answer one line:
+    `ANSWER` and its figures as JSON, or `{"error": the one-line reason}`."""
+    from omegaconf import OmegaConf
+
+    from datasets import build_dataset
+    from trainer.loop.run import run
+    from trainer.tools.plain_loop import measure
+    built = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            cfg = compose_config(request["overrides"])
+            key = OmegaConf.to_yaml(cfg.dataset)
+            if key not in built:
+                built.clear()  # one dataset at a time: the last one's memory goes first
+                built[key] = build_dataset(cfg.dataset)
+            side = request["side"]
+            if side == "engine":  # what `python -m trainer` calls once Hydra has composed the config
+                got = run(cfg, dataset=built[key])
+            else:  # the reference's plain loop, as `python -m trainer.tools.plain_loop --step ...` runs it
+                got = measure(cfg, step=REFERENCE_STEP[side], dataset=built[key])
+        except SystemExit as e:  # compose_config's one line
+            got = {"error": str(e).removeprefix("error: ")}
+        except Exception as e:
+            got = {"error": " ".join(f"{type(e).__name__}: {e}".split())}
+        print(ANSWER + json.dumps(got), flush=True)
+
+
+class Worker:
+    """One warm process of `--method rounds`, answering one request at a time (`serve`)."""
+
+    def __init__(self, name: str, tmp: Path):
+        self.name, self.log_path = name, tmp / f"{name}.log"
+        # It runs in `tmp` (whatever it writes stays there) and imports the feedbench this process runs.
+        root = str(Path(__file__).resolve().parents[2])
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+        cmd = [sys.executable, "-m", "trainer.tools.overhead", "--serve"]
+        with open(self.log_path, "w") as log:  # its stderr, for the reason when it fails
+            self.proc = subprocess.Popen(cmd, cwd=tmp, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         text=True, env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=path))
+
+    def ask(self, side: str, overrides: List[str]) -> Dict[str, float]:
+        """One run of `side` on `overrides`; its figures."""
+        try:
+            self.proc.stdin.write(json.dumps({"side": side, "overrides": overrides}) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # it has ended: said below
+        for line in self.proc.stdout:
+            if line.startswith(ANSWER):
+                got = json.loads(line[len(ANSWER):])
+                if "error" in got:
+                    variant = " ".join(o for o in overrides if o.startswith(("loader=", "engine.cuda_graph=")))
+                    raise SystemExit(f"error: {side}, {variant}: {got['error']}")
+                return got
+        tail = self.log_path.read_text().strip().splitlines()[-5:]
+        raise SystemExit(f"error: the {self.name} process ended (exit {self.proc.wait()}):\n" + "\n".join(tail))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()  # its loop ends at the end of its input
+            except BrokenPipeError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def plan_round(r: int, sides: Sequence[str]) -> List[tuple]:
+    """Round `r`'s runs, in order, as (side, worker index): the first side rotates by one a round
+    and each side moves on to the next worker, so over `len(sides)` rounds every side has gone
+    first, last and between, and run in every worker process once (a process placed on a slower
+    core, or with a worse heap, then weighs on every side alike)."""
+    n = len(sides)
+    return [(sides[(r + k) % n], (2 * r + k) % n) for k in range(n)]  # side i = (r + k) % n on worker (i + r) % n
+
+
+def steps_for(worker: Worker, side: str, overrides: List[str], warmup: int, turn_s: float) -> int:
+    """A run's length so that its timed region lasts about `turn_s`: from one short run of
+    `side` (which also warms the process up for this config), at least 30 timed steps."""
+    got = worker.ask(side, [*overrides, f"engine.max_steps={warmup + 30}"])
+    ms = got.get("plain_ms_per_step") or got.get("ms_per_step") or 1.0
+    return warmup + max(30, round(turn_s * 1e3 / ms))
+
+
+def measure_rounds(workers: List[Worker], overrides: List[str], references: Sequence[str], rounds: int,
+                   turn_s: float, warmup: int, tight: float = 0.02, log=print) -> List[Dict[str, float]]:
+    """Rounds of one run per side (`plan_round`), at most `rounds`: they stop once every ratio's 95%
+    interval lies within `tight` of its middle (a GPU-bound step gets there in a few rounds, a
+    host-bound one seldom), and never before each side has run in every worker. One summary per
+    reference, its ratios per round."""
+    sides = ["engine", *references]
+    steps = steps_for(workers[0], references[0], overrides, warmup, turn_s)
+    got = {side: [] for side in sides}
+    for r in range(rounds):
+        if r >= len(sides) and all(_tight(got["engine"], got[ref], tight) for ref in references):
+            break
+        took = {}
+        for side, w in plan_round(r, sides):
+            t0 = time.perf_counter()
+            got[side].append(workers[w].ask(side, [*overrides, f"engine.max_steps={steps}"]))
+            took[side] = time.perf_counter() - t0
+        e = got["engine"][-1]["ms_per_step"]
+        refs = ", ".join(f"{ref} {got[ref][-1]['plain_ms_per_step']:.3f} ({e / got[ref][-1]['plain_ms_per_step']:.3f})"
+                         for ref in references)
+        log(f"  round {r + 1}: engine {e:.3f} ms/step, {refs}; {steps - warmup} timed steps a run, "
+            f"runs of {' '.join(f'{took[s]:.1f}' for s in sides)} s")
+    out = []
+    for ref in references:
+        ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(got["engine"], got[ref])]
+        out.append(_summary("rounds", ref, got["engine"], got[ref], ratios))
+    return out
+
+
+def _tight(engine: List[dict], reference: List[dict], tight: float) -> bool:
+    """Whether the 95% interval of engine ÷ reference over these runs lies within `tight` of its middle."""
+    low, high = ratio_interval([e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(engine, reference)])
+    return math.sqrt(high / low) - 1 <= tight  # nan (one run) compares False
+
+
 def _summary(method: str, reference: str, engine: List[dict], plain: List[dict], ratios: List[float],
              interval_from: Sequence[float] = ()) -> Dict[str, float]:
     med = lambda rows, k: statistics.median(x[k] for x in rows)  # noqa: E731
@@ -278,16 +404,63 @@ def resolve_method(method: str, graph: str) -> str:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_comparison_args(p, repeats=3, what="engine/reference pairs (or turn-taking runs) per variant")
-    p.add_argument("--loaders", default="", help="comma-separated strategies (default: the composed one)")
+    p.add_argument("--loaders", default="", help="comma-separated strategies, or all (default: the composed one)")
     p.add_argument("--reference", choices=sorted(REFERENCE), default="plain",
                    help="plain: the engine's step in a plain loop; hand: the step as a user writes it; both")
+    p.add_argument("--tight", type=float, default=0.02,
+                   help="--method rounds: a row stops before --repeats rounds once its intervals are within this of their middle")
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # a worker of --method rounds
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=noop engine.device=cpu")
     args = p.parse_args(argv)
+    if args.serve:
+        return serve()
     check_comparison_args(args)
     base = QUICK + args.overrides
     cfg = compose_config(base)  # fail here, once, on a bad override
     loaders = [s for s in args.loaders.split(",") if s] or [cfg.loader.name]
-    rows = []
+    if args.loaders == "all":
+        from trainer.components import REGISTRIES
+        loaders = list(REGISTRIES["loader"])
+    t0, rows = time.perf_counter(), []
+    try:
+        if args.method == "rounds":
+            _main_rounds(args, base, loaders, cfg.engine.warmup_steps, rows)
+        else:
+            _main_processes(args, base, loaders, rows)
+    except KeyboardInterrupt:  # a time limit's SIGINT: the rows done are the table
+        print(table(rows))
+        print(f"stopped after {time.perf_counter() - t0:.0f} s, {len(rows)} rows done", file=sys.stderr)
+        raise SystemExit(130) from None
+    print(table(rows))
+    print(f"total: {time.perf_counter() - t0:.0f} s")
+
+
+def _main_rounds(args, base: List[str], loaders: List[str], warmup: int, rows: List[dict]) -> None:
+    """Every variant in rounds, over one set of warm processes; the table written as rows come in."""
+    references = REFERENCE[args.reference]
+    # The engine's records go to a throw-away store; nothing but the timed loop is compared, so the
+    # kernel window (steps traced after the timed region) is left out, and the summary unprinted.
+    quiet = ["engine.quiet=true", "engine.kernel_window_steps=0", "tracking.experiment=overhead"]
+    with tempfile.TemporaryDirectory(prefix="feedbench-overhead-") as tmp:
+        workers = [Worker(f"worker{i}", Path(tmp)) for i in range(1 + len(references))]
+        try:
+            for loader in loaders:
+                for graph in GRAPH[args.graph]:
+                    print(f"loader={loader} engine.cuda_graph={graph}", flush=True)
+                    overrides = [*base, *quiet, f"tracking.uri=sqlite:///{Path(tmp) / 'overhead.db'}",
+                                 f"loader={loader}", f"engine.cuda_graph={graph}"]
+                    for got in measure_rounds(workers, overrides, references, args.repeats, args.turn_ms / 1e3, warmup,
+                                              args.tight):
+                        rows.append({"loader": loader, "graph": graph, **got})
+                    if args.markdown:  # as it goes: a run stopped at its time limit keeps its rows
+                        Path(args.markdown).write_text(table(rows) + "\n")
+        finally:
+            for worker in workers:
+                worker.close()
+
+
+def _main_processes(args, base: List[str], loaders: List[str], rows: List[dict]) -> None:
+    """Every variant in fresh processes, in pairs or in turns."""
     with tempfile.TemporaryDirectory(prefix="feedbench-overhead-") as tmp:
         for loader in loaders:
             for graph in GRAPH[args.graph]:
@@ -300,7 +473,6 @@ def main(argv=None) -> None:
                     else:
                         got = measure(overrides, args.repeats, Path(tmp), reference=reference)
                     rows.append({"loader": loader, "graph": graph, **got})
-    print(table(rows))
     if args.markdown:
         Path(args.markdown).write_text(table(rows) + "\n")
 

@@ -54,6 +54,7 @@ from trainer.loop.engine import planned_steps
 from trainer.loop.clock import host_usage  # the engine's own count of faults and CPU time
 from trainer.loop.steps import build_optimizer, make_step
 from trainer.loop.heap import keep_freed
+from trainer.memory import limit_gpu_memory
 from trainer.tools.turns import pause_if_asked
 from trainer.validate import resolve
 
@@ -152,10 +153,11 @@ def hand_graph_loop(loader, model, optimizer, clock: _Clock) -> None:
                 break
 
 
-def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict:
+def measure(cfg, clock_file: Optional[str] = None, step: str = "engine", dataset=None) -> dict:
     """Run the plain loop for `cfg` (a composed config) with the engine's step or the hand-written
     one (`step`: engine | hand) and return its figures; `clock_file`: also save when each timed
-    step began and ended (`.npy`, host monotonic clock: one more entry than steps)."""
+    step began and ended (`.npy`, host monotonic clock: one more entry than steps); `dataset`: one
+    built from `cfg.dataset` already (else built here)."""
     resolve(cfg)  # as run() does: no interpolation is parsed again inside the loop
     precision = cfg.engine.get("precision", "fp32")  # configs saved before engine.precision existed are fp32
     if step == "hand" and precision != "fp32":
@@ -163,10 +165,12 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine") -> dict
                           f"step (--step engine), which runs in the run's precision")
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type == "cuda":  # as `python -m trainer` does: the same share of the GPU's memory
+        limit_gpu_memory(cfg.engine.get("gpu_memory_fraction", 1.0), device)
     if cfg.engine.get("steady_heap", True):
         keep_freed()  # as `python -m trainer` does (trainer.loop.heap)
     torch.manual_seed(cfg.engine.seed)
-    dataset = build_dataset(cfg.dataset)
+    dataset = build_dataset(cfg.dataset) if dataset is None else dataset
     loader = build_loader(cfg.loader, dataset, device, seed=cfg.engine.seed)
     graphed = bool(cfg.engine.cuda_graph) and device.type == "cuda"
     model = build_model(cfg.model, dataset.sample_shape, dataset.num_classes).to(device)
@@ -209,7 +213,7 @@ def main() -> None:
     if args.config:
         cfg = OmegaConf.load(args.config)
     else:
-        from trainer.tools.overhead import compose_config
+        from trainer.tools.compose import compose_config
         cfg = compose_config(args.overrides)
     try:
         figures = measure(cfg, args.clock, args.step)

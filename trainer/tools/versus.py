@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -33,9 +32,10 @@ from typing import Dict, List, Sequence
 import numpy as np
 
 from trainer.tools import turns as turns_
+from trainer.tools.compose import compose_config
 from trainer.tools.overhead import (GRAPH, QUICK, _engine_cmd, _interval, _latest_run, _steps_csv,
-                                    add_comparison_args, check_comparison_args, compose_config, engine_run,
-                                    ratio_interval, resolve_method)
+                                    add_comparison_args, check_comparison_args, engine_run, ratio_interval,
+                                    resolve_method)
 
 SIDES = ("a", "b")
 
