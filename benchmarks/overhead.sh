@@ -6,7 +6,7 @@
 #          captured by hand as PyTorch's docs show.
 #
 #   bash benchmarks/overhead.sh                  # the whole table in one command (about 4 minutes on an H200)
-#   bash benchmarks/overhead.sh --rounds 7       # more rounds per row (each adds about a fifth)
+#   bash benchmarks/overhead.sh --rounds 8       # more rounds for the host-bound rows (about 8 minutes)
 #   bash benchmarks/overhead.sh --limit-s 500    # its own time limit (default 330 s; the rows done are kept)
 #   bash benchmarks/overhead.sh --processes [--quick] [--part dataloader|eager|gather|graphed]
 #                                                # the same table from fresh processes, part by part
@@ -26,7 +26,7 @@ mkdir -p outputs
 workload=(experiment=bench_strategies engine.device=cuda)
 both=(--reference both)
 start=$SECONDS
-processes=0 out=outputs/overhead part=all rounds=6 limit_s=330
+processes=0 out=outputs/overhead part=all rounds=4 limit_s=330
 steps_dataloader=2500 steps_eager=8000 steps_gather=6000 gather_repeats=2 pair_repeats=2
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -49,7 +49,7 @@ if [ $processes = 0 ]; then
   # SIGINT at the limit: the tool stops its workers; the rows finished are in the file already.
   status=0
   timeout --signal=INT --kill-after=20 "$limit_s" python -m trainer.overhead "${both[@]}" --method rounds \
-    --repeats "$rounds" --turn-ms 300 --graph both --loaders all --markdown "$out.md" "$@" "${workload[@]}" \
+    --repeats "$rounds" --turn-ms 250 --graph both --loaders all --markdown "$out.md" "$@" "${workload[@]}" \
     engine.warmup_steps=20 || status=$?
   # The tool printed the table; stopped short of it, the rows it finished are in the file.
   if [ $status != 0 ] && [ -f "$out.md" ]; then cat "$out.md"; fi

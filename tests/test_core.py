@@ -380,7 +380,7 @@ def test_overhead_script_by_default_is_one_call_of_every_strategy_in_rounds(tmp_
     (call,) = calls
     args = call.split()
     assert args[:2] == ["-m", "trainer.overhead"] and "--reference both" in call and "--method rounds" in call
-    assert "--loaders all" in call and "--graph both" in call and "--repeats 6" in call
+    assert "--loaders all" in call and "--graph both" in call and "--repeats 4" in call
     assert "experiment=bench_strategies" in args and "engine.device=cuda" in args
     assert proc.stdout.splitlines()[-1].startswith("total: ")
     assert (tmp_path / "outputs" / "overhead.md").read_text().splitlines()[2] == "| all | both |"
@@ -456,8 +456,8 @@ def test_overhead_rounds_stop_once_the_intervals_are_tight_and_not_before_every_
     lines = []
     rows = measure_rounds(steady, ["loader=pinned"], ["plain", "hand"], rounds=9, turn_s=0.5, warmup=10, log=lines.append)
     assert len(lines) == 3  # every side in every process once, then the intervals are a point: done
-    assert runs[0] == ("plain", "engine.max_steps=40") and len(runs) == 1 + 9  # the first run sets the length
-    assert {o for _, o in runs[1:]} == {"engine.max_steps=510"}  # 0.5 s at 1 ms/step, after the 10 warm-up steps
+    assert len(runs) == 9 and {o for _, o in runs[:3]} == {"engine.max_steps=40"}  # the first round: 30 timed steps
+    assert {o for _, o in runs[3:]} == {"engine.max_steps=510"}  # 0.5 s at 1 ms/step, after the 10 warm-up steps
     assert [(r["reference"], r["ratio"], r["method"]) for r in rows] == [("plain", pytest.approx(1.01), "rounds"),
                                                                          ("hand", pytest.approx(1.01), "rounds")]
     runs.clear()

@@ -49,8 +49,9 @@ def limit_gpu_memory(fraction: float, device: torch.device) -> None:
     """Let this process allocate at most `fraction` of `device`'s memory, as a card that much smaller
     would (PyTorch's caching allocator refuses past it), and `check_gpu_fits` count with that share.
     1.0: the whole card, which also lifts a limit an earlier run of the process set."""
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
-    _FRACTION[_index(device)] = fraction
+    index = _index(device)  # PyTorch takes an index here, not a bare torch.device("cuda")
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    _FRACTION[index] = fraction
 
 
 def check_gpu_fits(needed: int, device: torch.device, what: str, fix: Union[str, Callable[[int], str]]) -> None:

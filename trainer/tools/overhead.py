@@ -27,7 +27,7 @@ Three ways to run them (`--method`):
   and optimizer, as a fresh process does. A round asks each side for one run of the same config,
   one process at a time (no two sides ever share the GPU or the host's cores), the side that goes
   first rotating from round to round; a run's timed region lasts about `--turn-ms` (its steps are
-  set from a first short run of the reference), so the sides of a round draw from the same few
+  set from the first round, whose runs are short), so the sides of a round draw from the same few
   seconds of a host whose speed drifts. The interval is over the rounds' ratios. Right for eager
   and graphed steps alike, and the whole table, every strategy eager and graphed against both
   references, fits a few minutes.
@@ -281,23 +281,16 @@ def plan_round(r: int, sides: Sequence[str]) -> List[tuple]:
     return [(sides[(r + k) % n], (2 * r + k) % n) for k in range(n)]  # side i = (r + k) % n on worker (i + r) % n
 
 
-def steps_for(worker: Worker, side: str, overrides: List[str], warmup: int, turn_s: float) -> int:
-    """A run's length so that its timed region lasts about `turn_s`: from one short run of
-    `side` (which also warms the process up for this config), at least 30 timed steps."""
-    got = worker.ask(side, [*overrides, f"engine.max_steps={warmup + 30}"])
-    ms = got.get("plain_ms_per_step") or got.get("ms_per_step") or 1.0
-    return warmup + max(30, round(turn_s * 1e3 / ms))
-
-
 def measure_rounds(workers: List[Worker], overrides: List[str], references: Sequence[str], rounds: int,
                    turn_s: float, warmup: int, tight: float = 0.02, log=print) -> List[Dict[str, float]]:
     """Rounds of one run per side (`plan_round`), at most `rounds`: they stop once every ratio's 95%
     interval lies within `tight` of its middle (a GPU-bound step gets there in a few rounds, a
-    host-bound one seldom), and never before each side has run in every worker. One summary per
-    reference, its ratios per round."""
+    host-bound one seldom), and never before each side has run in every worker. The first round's
+    runs are short (30 timed steps); the next ones last about `turn_s`, from the first round's
+    reference. One summary per reference, its ratios per round."""
     sides = ["engine", *references]
-    steps = steps_for(workers[0], references[0], overrides, warmup, turn_s)
     got = {side: [] for side in sides}
+    steps = warmup + 30
     for r in range(rounds):
         if r >= len(sides) and all(_tight(got["engine"], got[ref], tight) for ref in references):
             break
@@ -311,6 +304,8 @@ def measure_rounds(workers: List[Worker], overrides: List[str], references: Sequ
                          for ref in references)
         log(f"  round {r + 1}: engine {e:.3f} ms/step, {refs}; {steps - warmup} timed steps a run, "
             f"runs of {' '.join(f'{took[s]:.1f}' for s in sides)} s")
+        if r == 0:  # every later run times about `turn_s`, at least 30 steps
+            steps = warmup + max(30, round(turn_s * 1e3 / got[references[0]][0]["plain_ms_per_step"]))
     out = []
     for ref in references:
         ratios = [e["ms_per_step"] / p["plain_ms_per_step"] for e, p in zip(got["engine"], got[ref])]
