@@ -220,7 +220,10 @@ def test_a_database_deleted_mid_run_keeps_the_exit_status_and_what_was_measured(
     assert (artifacts / "timeline.png").stat().st_size > 0
 
 
-def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run_folder(tmp_path, empty_store):
+def test_a_store_whose_disk_fills_mid_run_fails_the_run_and_says_where_its_figures_are(tmp_path, empty_store):
+    """The run took all its steps, but the store cannot take them: not a run recorded FINISHED
+    without its figures, and not exit 0. The line says why and where each part went; the report
+    on the still-full store is one line too, not SQLAlchemy's trace."""
     with small_tmpfs(tmp_path / "store", "4m") as disk:
         db = disk / "mlflow.db"
         db.write_bytes(empty_store.read_bytes())
@@ -230,9 +233,10 @@ def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run
         (run,) = wait_for_running(uri, proc)  # journaled: its journal file is made before the disk fills
         fill(disk)
         _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0  # the run finished: the store failing to take it does not change that
+        assert proc.returncode == 1
         line = one_line(err)
-        assert line.startswith(f"warning: run {run.info.run_id} finished, but the store at {uri} refused its ")
+        assert line.startswith(f"error: the run finished, but the store did not take all it measured (run "
+                               f"{run.info.run_id}: the store at {uri} refused its "), line
         assert "database or disk is full" in line or "No space left on device" in line, line
         folder = tmp_path / "hydra"
         assert f"steps.csv in {folder / 'steps.csv'}" in line and "lost" not in line
@@ -241,6 +245,17 @@ def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run
             assert json.loads((folder / "summary.json").read_text())["total_steps"] == steps
         else:
             assert MlflowClient(uri).get_run(run.info.run_id).data.metrics["total_steps"] == steps
+        recorded = MlflowClient(uri).get_run(run.info.run_id).info.status
+        assert recorded == "FAILED" if "status" not in line else recorded == "RUNNING"  # not FINISHED: it holds no figures
+        report_ = subprocess.run([sys.executable, "-m", "trainer.report", "--uri", uri], cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in report_.stderr and len(report_.stderr.splitlines()) <= 1, report_.stderr
+        if recorded == "RUNNING":  # its process is gone: closing it is a write the full store refuses, said in one line
+            assert report_.returncode == 0 and re.fullmatch(
+                rf"warning: the store at {re.escape(uri)} refused to close the runs whose process is gone \((Operational"
+                r"Error: database or disk is full|OSError: No space left on device)\): free space on its disk; the next "
+                r"report or run closes them\n", report_.stderr), report_.stderr
+            assert report_.stdout.startswith(f"run {run.info.run_id} (RUNNING)")
 
 
 def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(tmp_path, tracking_uri):
@@ -252,8 +267,9 @@ def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(t
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143
     folder = tmp_path / "hydra"
-    assert one_line(err) == (f"interrupted by SIGTERM: run {run.info.run_id}: the store at {tracking_uri} refused its "
-                             f"steps.csv and timeline.png (OSError: No space left on device); steps.csv in "
+    artifacts = Path(run.info.artifact_uri[len("file://"):])  # on the full disk: named, not the store's database
+    assert one_line(err) == (f"interrupted by SIGTERM: run {run.info.run_id}: the artifact folder {artifacts} refused "
+                             f"its steps.csv and timeline.png (OSError: No space left on device); steps.csv in "
                              f"{folder / 'steps.csv'}")
     steps = csv_steps(folder / "steps.csv")
     recorded = MlflowClient(tracking_uri).get_run(run.info.run_id)
@@ -261,6 +277,19 @@ def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(t
     assert recorded.data.metrics["total_steps"] == len(steps) >= 10 and steps == list(range(1, len(steps) + 1))
     history = MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "step_ms")
     assert [m.step for m in history] == steps  # the per-step series reached the database
+
+
+def test_an_artifact_disk_full_before_the_run_names_the_artifact_folder(tmp_path, tracking_uri):
+    with small_tmpfs(tmp_path / "mlartifacts", "1m") as disk:  # where the store puts artifacts (beside the DB)
+        fill(disk)
+        proc = run_cli(tmp_path, tracking_uri, *TINY)
+    (run,) = all_runs(tracking_uri)
+    artifacts = Path(run.info.artifact_uri[len("file://"):])
+    assert proc.returncode == 1 and one_line(proc.stderr) == (
+        f"error: tracking.uri={tracking_uri}: its artifact folder {artifacts} cannot be written (No space left on "
+        "device): free space on that disk (or make the folder writable), or set tracking.uri=sqlite:///<a folder on "
+        f"another disk>/mlflow.db (a new store keeps its artifacts beside it) (run {run.info.run_id} marked FAILED)")
+    assert run.info.status == "FAILED" and str(artifacts) in run.data.tags["error"]
 
 
 # -- reading the store back ------------------------------------------------------------------------

@@ -33,7 +33,8 @@ from trainer.config import OBJECTIVES
 from trainer.errors import ConfigError
 from trainer.tracking.journal import recover_dead_runs, shown_status
 from trainer.tracking.run_summary import describe
-from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
+from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri, reason
+from trainer.tracking.store import shown as masked
 
 METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95",
            "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step",
@@ -443,7 +444,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     try:
         client, uri = open_store(args.uri)
-        recover_dead_runs(client)  # runs of this host whose process died: KILLED, from their journals
+        try:
+            recover_dead_runs(client)  # runs of this host whose process died: KILLED, from their journals
+        except Exception as e:  # a store on a full disk: reading it still works, closing runs does not
+            print(f"warning: the store at {masked(uri)} refused to close the runs whose process is gone ({reason(e)}): "
+                  "free space on its disk; the next report or run closes them", file=sys.stderr)
         parent = find_parent(client, args.experiment, args.run or args.sweep, sweeps_only=False,
                              option="--sweep" if args.sweep else "--run")
     except ConfigError as e:
