@@ -279,6 +279,18 @@ def test_report_usage_lists_run_and_sweep(capsys):
     assert "\n  --run RUN_ID " in out and "\n  --sweep RUN_ID " in out
 
 
+@pytest.mark.parametrize("args,line", [
+    (["--run"], "error: --run: --run takes a value: write --run=<RUN_ID>"),
+    (["--sweep", "a", "--run", "b"], "error: argument --run: not allowed with argument --sweep: see python -m trainer.report --help"),
+    (["--rnu", "x"], "error: --rnu: not an option of python -m trainer.report; did you mean --run? "
+                     "(python -m trainer.report --help lists them)"),
+])
+def test_a_bad_report_argument_is_one_line_not_the_usage(capsys, args, line):
+    with pytest.raises(SystemExit) as done:
+        report.main(args)
+    assert done.value.code == 2 and capsys.readouterr().err == line + "\n"
+
+
 @pytest.mark.parametrize("option,path", [("--csv", "{tmp}/nodir/x.csv"), ("--markdown", "/proc/nope.md"),
                                          ("--csv", "{tmp}")])
 def test_a_table_path_that_cannot_be_written_is_one_line_before_the_store_is_read(tmp_path, capsys, option, path):

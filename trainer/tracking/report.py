@@ -30,7 +30,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from trainer.config import OBJECTIVES
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, one_line_argument_errors
 from trainer.tracking.journal import recover_dead_runs, shown_status
 from trainer.tracking.run_summary import describe
 from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri, reason
@@ -434,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--plain", action="store_true",
                    help="first run a plain loop for each finished job (same config, fresh process) and log "
                         "plain_ms_per_step and engine_vs_plain on it: the reference for the engine's figures")
-    args = p.parse_args(argv)
+    args = one_line_argument_errors(p, "python -m trainer.report", exit_status=2).parse_args(argv)
     paths = {option: path for option, path in (("--csv", args.csv), ("--markdown", args.markdown)) if path}
     try:
         for option, path in paths.items():
