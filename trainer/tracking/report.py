@@ -39,7 +39,8 @@ from trainer.tracking.store import shown as masked
 METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95",
            "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step",
            "host_cpu_ms_per_step")
-# Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
+# Shown only when some job has them: written by `--plain` (a plain loop over the same loader, timed
+# then), and by earlier versions of it, which logged the ratio too.
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
@@ -57,7 +58,10 @@ LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval incl
           "cpu": "blank compute_stream_span_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
           "all_cpu": "no compute_stream_span_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
           "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it",
-          "stopped": "KILLED, FAILED: the figures of the steps the job timed before it stopped: no speedup, never best"}
+          "stopped": "KILLED, FAILED: the figures of the steps the job timed before it stopped: no speedup, never best",
+          "plain": "plain_ms_per_step: a plain loop timed by report --plain after the job, not beside it: against "
+                   "ms_per_step it compares two moments of a host whose speed drifts (python -m trainer.overhead "
+                   "times what the engine costs, in turns)"}
 FINISHED = "FINISHED"
 
 
@@ -261,7 +265,8 @@ def legend(rows: Sequence[dict]) -> List[str]:
              "cpu": on_cpu and gpu_columns, "all_cpu": on_cpu and not gpu_columns,
              "degraded": any(r.get("degraded") for r in rows),
              "stopped": any(r.get("status") != FINISHED and _cell("ms_per_step", r.get("ms_per_step"), False)
-                            for r in rows)}
+                            for r in rows),
+             "plain": any(r.get("plain_ms_per_step") is not None for r in rows)}
     return [LEGEND[k] for k, shown_ in marks.items() if shown_]
 
 
@@ -432,8 +437,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
     p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--plain", action="store_true",
-                   help="first run a plain loop for each finished job (same config, fresh process) and log "
-                        "plain_ms_per_step and engine_vs_plain on it: the reference for the engine's figures")
+                   help="first run a plain loop for each finished job now (same config, fresh process) and log "
+                        "plain_ms_per_step on it, tagged plain_timed (timed after the job, not beside it)")
     args = one_line_argument_errors(p, "python -m trainer.report", exit_status=2).parse_args(argv)
     paths = {option: path for option, path in (("--csv", args.csv), ("--markdown", args.markdown)) if path}
     try:
