@@ -177,6 +177,28 @@ def test_submitit_local_jobs_run_in_their_own_processes_nested_under_the_parent(
     assert len(list((tmp_path / "multirun" / ".submitit").iterdir())) >= 2  # submitit's own job folders
 
 
+def test_a_job_timed_beside_another_run_of_the_store_is_marked(tmp_path, tiny_cfg, tracking_uri):
+    """Two sweeps (or a sweep and a run) into one store at once, on one device: both finish, and
+    the sweep's table marks its job timed while the other run was being timed, naming that run."""
+    other = start(tmp_path, tracking_uri, *LONG)
+    try:
+        (theirs,) = wait_for_running(tracking_uri, other, steps=4)  # past its 2 warm-up steps: being timed
+        parent_id = sweep.start_parent(tiny_cfg().tracking, "beside another", ["loader"], {})
+        run(tiny_cfg("loader=baseline", f"tracking.parent_run_id={parent_id}"))
+        other.send_signal(signal.SIGINT)  # stopped, it records the timed region it had
+        assert other.wait(timeout=120) == 130
+    finally:
+        stop_leftovers()
+    sweep.finish_parent(tracking_uri, parent_id)
+    client = MlflowClient(tracking_uri)
+    _, rows = report.compare(client, client.get_run(parent_id))
+    assert [r["overlap"] for r in rows] == [f"run {theirs.info.run_id[:8]}"]
+    assert report.overlap_warning(rows) == (
+        f"warning: jobs 0 were timed at the same time on a shared device (column overlap), some beside other runs of "
+        f"this store ({theirs.info.run_id}): their figures disturb each other; run a timing sweep one job at a time, "
+        "and no other run beside it (see README)")
+
+
 def test_speedup_pairs_jobs_with_the_same_other_settings(tiny_cfg, tracking_uri):
     """In-process: children attached by `tracking.parent_run_id`; `loader.depth` (prefetch only)
     does not split prefetch from its baseline, `loader.batch_size` does."""
