@@ -5,6 +5,7 @@ run left in the store. HYDRA_FULL_ERROR=1 still gives Hydra's full trace."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import subprocess
 import sys
@@ -197,6 +198,23 @@ def test_a_full_disk_where_the_run_folder_goes_is_one_line(tmp_path, tracking_ur
                            f"hydra.run.dir={full_disk / 'run'}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert only_line(proc).startswith("error: hydra.run.dir: cannot write the run's folder (its disk is full")
     assert only_line(proc).endswith("free space there or set hydra.run.dir=<a folder on another disk>")
+    assert all_runs(tracking_uri) == []
+
+
+def test_a_read_only_run_folder_is_one_line(tmp_path, tracking_uri):
+    """An existing folder the run cannot write in: Hydra's log file there is the first write."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):  # root ignores permission bits: use a folder nobody can write in
+        folder = Path("/sys")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "trainer", *TINY, f"tracking.uri={tracking_uri}",
+                               f"hydra.run.dir={folder}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    finally:
+        (tmp_path / "locked").chmod(0o755)
+    assert only_line(proc) == (f"error: hydra.run.dir: cannot write the run's folder (Permission denied: "
+                               f"{folder / '__main__.log'}): set hydra.run.dir=<a folder you can write in>")
     assert all_runs(tracking_uri) == []
 
 

@@ -236,6 +236,26 @@ def test_a_dead_sweeps_parent_is_recovered_in_words_true_of_a_parent(tracking_ur
         "engine.journal_s=0) (tag recovered=true)"])
 
 
+def test_a_dead_run_whose_store_refused_the_journal_tag_is_recovered_from_its_artifact_folder(tracking_uri):
+    """A store that filled early refused the tag naming the journal: the journal is found where
+    runs keep it, in the run's artifact folder, and its steps are kept."""
+    from trainer.tracking.journal import HOST_COLUMNS, JOURNAL, owner_tags, recover_dead_runs
+    from trainer.tracking.store import experiment_id
+
+    client = MlflowClient(tracking_uri)
+    run = client.create_run(experiment_id(client, "e", tracking_uri), tags={**owner_tags(), "pid": "999999999"})
+    folder = Path(run.info.artifact_uri[len("file://"):])
+    folder.mkdir(parents=True)
+    rows = [(s, 0, 8, 10.0 + s, 10.001 + s, 10.01 + s) for s in (1, 2, 3)]  # step, epoch, samples, wait/start/end at
+    (folder / JOURNAL).write_text(",".join(HOST_COLUMNS) + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+    said = []
+    assert recover_dead_runs(client, log=said.append) == [run.info.run_id]
+    assert said == [f"feedbench: run {run.info.run_id} (pid 999999999) ended without closing: marked KILLED with the 3 "
+                    "steps of its journal (tag recovered=true)"]
+    recovered = client.get_run(run.info.run_id)
+    assert recovered.info.status == "KILLED" and recovered.data.metrics["total_steps"] == 3
+
+
 def test_a_run_of_another_host_or_a_live_process_is_left_alone(tiny_cfg, tracking_uri):
     from trainer.tracking.journal import is_dead_here, owner_tags, recover_dead_runs
 

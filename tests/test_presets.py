@@ -240,10 +240,10 @@ def _check_results_table(preset, client, children):
         theirs = next(r for r in children if r.data.tags["loop"] == "lightning" and r.data.tags["strategy"] == "pinned")
         assert "plain_ms_per_step" not in theirs.data.metrics
         annotate(client, [theirs], log=lambda line: None)
-        plain = theirs.data.metrics["throughput_samples_per_s"] * theirs.data.metrics["engine_vs_plain"]
-        row = next(line for line in results.TABLES[preset](results.Sweep(client, preset)).splitlines()
-                   if line.startswith("| pin_memory DataLoader (`pinned`)"))
-        assert row.split(" | ")[8] == f"{plain:,.0f}"  # after our loop's samples/s
+        # Its figures, said to be timed after the run; their ratio to the run's, across time, is not logged.
+        logged = client.get_run(theirs.info.run_id).data
+        assert logged.metrics["plain_ms_per_step"] > 0 and "engine_vs_plain" not in logged.metrics
+        assert logged.tags["plain_timed"].startswith("after the run, at ")
 
 
 def _check_copy(children):

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from clirun import LONG, TINY, all_runs, start, stop_leftovers, wait_for_running
+from clirun import LONG, TINY, all_runs, run_cli, start, stop_leftovers, wait_for_running
 from disks import fill, small_tmpfs
 from trainer.errors import ConfigError
 from trainer.tracking import report
-from trainer.tracking.store import PER_STEP_METRICS, check_tracking_uri, mlflow_schemas
+from trainer.tracking.store import PER_STEP_METRICS, check_tracking_uri, default_uri, mlflow_schemas
 
 
 @pytest.fixture(autouse=True)
@@ -70,24 +70,121 @@ def test_runs_started_at_once_into_a_new_store_all_finish(tmp_path):
         check_tracking_uri(uri)  # and the next run takes it as it is
 
 
-def test_a_half_made_store_says_to_delete_it(tmp_path, empty_store):
-    """What runs racing through MLflow's migrations (before the lock) left behind: an older
-    schema stamp and a leftover `_alembic_tmp_*` table. `mlflow db upgrade` fails on it."""
-    db = tmp_path / "mlflow.db"
+def half_made(db: Path, empty_store: Path, leftovers: bool) -> None:
+    """What an older feedbench left when MLflow stopped making a store in place: an older schema
+    stamp, and a leftover `_alembic_tmp_*` table (runs racing through the migrations) or no
+    experiment yet (a Ctrl-C or a full disk between two migrations). `mlflow db upgrade` fails on it."""
     db.write_bytes(empty_store.read_bytes())
     head, known = mlflow_schemas()
     with contextlib.closing(sqlite3.connect(db)) as con, con:
         con.execute("UPDATE alembic_version SET version_num = ?", (sorted(known - {head})[0],))
-        con.execute("CREATE TABLE _alembic_tmp_runs (run_uuid VARCHAR(32))")
+        if leftovers:
+            con.execute("CREATE TABLE _alembic_tmp_runs (run_uuid VARCHAR(32))")
+        else:
+            con.execute("DELETE FROM experiments")
+    os.utime(db, (time.time() - 3600,) * 2)  # left an hour ago: not a store another program is making now
+
+
+@pytest.mark.parametrize("leftovers", [True, False], ids=["racing runs", "stopped while made"])
+def test_a_half_made_store_is_said_and_made_anew(tmp_path, empty_store, capsys, leftovers):
+    db = tmp_path / "mlflow.db"
+    half_made(db, empty_store, leftovers)
     uri = f"sqlite:///{db}"
-    with pytest.raises(ConfigError) as refused:
-        check_tracking_uri(uri)
-    assert re.fullmatch(rf"tracking\.uri={uri}: {db} was left half-made by MLflow's table migrations \(schema \w+, "
-                        rf"leftover tables _alembic_tmp_runs\) and holds no runs: delete it \(rm {db}\) and rerun, "
-                        r"which makes it anew", str(refused.value)), str(refused.value)
-    db.unlink()  # doing what it says works
     check_tracking_uri(uri)
-    assert MlflowClient(uri).search_experiments()
+    assert re.fullmatch(rf"feedbench: {db} was left half-made by MLflow's table migrations \(schema \w+"
+                        rf"{', leftover tables _alembic_tmp_runs' if leftovers else ''}\) and held no runs: made it anew\n",
+                        capsys.readouterr().err)
+    check_tracking_uri(uri)  # sound now: nothing said
+    assert capsys.readouterr().err == ""
+    assert healthy(db) and [e.name for e in MlflowClient(uri).search_experiments()] == ["Default"]
+
+
+def test_a_half_made_store_changed_a_moment_ago_is_left_alone(tmp_path, empty_store):
+    """Another program making MLflow's tables in place (`mlflow ui`) may pause between two migrations:
+    such a store is not taken for one given up, nor replaced under it."""
+    db = tmp_path / "mlflow.db"
+    half_made(db, empty_store, leftovers=False)
+    os.utime(db)  # changed now
+    before = db.read_bytes()
+    uri = f"sqlite:///{db}"
+    with pytest.raises(ConfigError, match=rf"^tracking\.uri={uri}: {db} is half-made \(schema \w+\) and changed \d+ s "
+                                          r"ago: another program may be making it now: rerun in a minute"):
+        check_tracking_uri(uri)
+    assert db.read_bytes() == before
+
+
+def test_report_on_a_half_made_store_is_one_line(tmp_path, empty_store):
+    db = tmp_path / "mlflow.db"
+    half_made(db, empty_store, leftovers=False)
+    proc = subprocess.run([sys.executable, "-m", "trainer.report", "--uri", f"sqlite:///{db}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and re.fullmatch(
+        rf"error: --uri=sqlite:///{db}: {db} was left half-made by MLflow's table migrations \(schema \w+\) and holds "
+        rf"no runs: nothing to read \(the next python -m trainer with tracking\.uri=sqlite:///{db} makes it anew\)\n",
+        proc.stderr), proc.stderr
+
+
+def healthy(db: Path) -> bool:
+    """The store is complete: MLflow's latest schema, no half-done migration, sound pages."""
+    with contextlib.closing(sqlite3.connect(db)) as con:
+        tables = {name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        (revision,) = con.execute("SELECT version_num FROM alembic_version").fetchone()
+        sound = con.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    return sound and revision == mlflow_schemas()[0] and not [t for t in tables if t.startswith("_alembic_tmp_")]
+
+
+def store_files(folder: Path) -> list:
+    """The files in the store's folder but its lock: the store and anything left while it was made."""
+    return sorted(p.name for p in folder.iterdir() if not p.name.endswith(".lock"))
+
+
+@pytest.mark.fresh_store
+@pytest.mark.parametrize("delay_s,again", [(0.0, False), (0.4, False), (0.1, True)],
+                         ids=["as it begins", "half-way", "twice"])
+def test_a_new_store_interrupted_while_it_is_made_is_complete_or_absent(tmp_path, delay_s, again):
+    """Ctrl-C at moments of the first run's making of its store (MLflow's migrations take
+    seconds): the run stops (exit 130, one line), and the store is either complete or not there
+    at all, never half-made; the next run takes it. A second Ctrl-C stops at once."""
+    folder = tmp_path / "store"
+    folder.mkdir()
+    db = folder / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    proc = start(tmp_path, uri, *TINY)
+    deadline = time.monotonic() + 120
+    while not store_files(folder):  # the store's file appears: MLflow is making its tables
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.005)
+    time.sleep(delay_s)
+    proc.send_signal(signal.SIGINT)
+    if again:
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    # (a run that made its store before the signal came is stopped as at any other moment: KILLED)
+    assert err.splitlines()[-1].startswith("interrupted by SIGINT") and "Traceback" not in err, err
+    assert store_files(folder) in ([], ["mlflow.db"]), store_files(folder)  # nothing half-made left beside it
+    if db.exists():
+        assert healthy(db)
+    check_tracking_uri(uri)  # what the next run does first: takes the store as it is, or makes it
+    assert healthy(db) and MlflowClient(uri).search_experiments()
+
+
+def test_a_new_store_whose_disk_fills_while_it_is_made_is_absent_and_said(tmp_path):
+    """MLflow's migrations run out of space half-way (its finished store takes ~1 MB): one line,
+    no half-made store left in the folder, and once there is room the next run makes it whole."""
+    with small_tmpfs(tmp_path / "store", "400k") as disk:
+        db = disk / "mlflow.db"
+        uri = f"sqlite:///{db}"
+        with pytest.raises(ConfigError) as refused:
+            check_tracking_uri(uri)
+        assert str(refused.value) == (f"tracking.uri={uri}: MLflow refused to record the run there (OperationalError: "
+                                      "database or disk is full): correct what it names, or set tracking.uri=null to "
+                                      f"record in {default_uri()}")
+        assert store_files(disk) == []  # nothing half-made: the next run does not find a broken store
+        subprocess.run(["mount", "-o", "remount,size=4m", str(disk)], check=True)  # room again
+        check_tracking_uri(uri)
+        assert healthy(db) and store_files(disk) == ["mlflow.db"]
 
 
 # -- the store or its disk fails mid-run -------------------------------------------------------------
@@ -123,7 +220,10 @@ def test_a_database_deleted_mid_run_keeps_the_exit_status_and_what_was_measured(
     assert (artifacts / "timeline.png").stat().st_size > 0
 
 
-def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run_folder(tmp_path, empty_store):
+def test_a_store_whose_disk_fills_mid_run_fails_the_run_and_says_where_its_figures_are(tmp_path, empty_store):
+    """The run took all its steps, but the store cannot take them: not a run recorded FINISHED
+    without its figures, and not exit 0. The line says why and where each part went; the report
+    on the still-full store is one line too, not SQLAlchemy's trace."""
     with small_tmpfs(tmp_path / "store", "4m") as disk:
         db = disk / "mlflow.db"
         db.write_bytes(empty_store.read_bytes())
@@ -133,9 +233,10 @@ def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run
         (run,) = wait_for_running(uri, proc)  # journaled: its journal file is made before the disk fills
         fill(disk)
         _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0  # the run finished: the store failing to take it does not change that
+        assert proc.returncode == 1
         line = one_line(err)
-        assert line.startswith(f"warning: run {run.info.run_id} finished, but the store at {uri} refused its ")
+        assert line.startswith(f"error: the run finished, but the store did not take all it measured (run "
+                               f"{run.info.run_id}: the store at {uri} refused its "), line
         assert "database or disk is full" in line or "No space left on device" in line, line
         folder = tmp_path / "hydra"
         assert f"steps.csv in {folder / 'steps.csv'}" in line and "lost" not in line
@@ -144,6 +245,17 @@ def test_a_store_whose_disk_fills_mid_run_keeps_the_steps_and_summary_in_the_run
             assert json.loads((folder / "summary.json").read_text())["total_steps"] == steps
         else:
             assert MlflowClient(uri).get_run(run.info.run_id).data.metrics["total_steps"] == steps
+        recorded = MlflowClient(uri).get_run(run.info.run_id).info.status
+        assert recorded == "FAILED" if "status" not in line else recorded == "RUNNING"  # not FINISHED: it holds no figures
+        report_ = subprocess.run([sys.executable, "-m", "trainer.report", "--uri", uri], cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=120)
+        assert "Traceback" not in report_.stderr and len(report_.stderr.splitlines()) <= 1, report_.stderr
+        if recorded == "RUNNING":  # its process is gone: closing it is a write the full store refuses, said in one line
+            assert report_.returncode == 0 and re.fullmatch(
+                rf"warning: the store at {re.escape(uri)} refused to close the runs whose process is gone \((Operational"
+                r"Error: database or disk is full|OSError: No space left on device)\): free space on its disk; the next "
+                r"report or run closes them\n", report_.stderr), report_.stderr
+            assert report_.stdout.startswith(f"run {run.info.run_id} (RUNNING)")
 
 
 def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(tmp_path, tracking_uri):
@@ -155,8 +267,9 @@ def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(t
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143
     folder = tmp_path / "hydra"
-    assert one_line(err) == (f"interrupted by SIGTERM: run {run.info.run_id}: the store at {tracking_uri} refused its "
-                             f"steps.csv and timeline.png (OSError: No space left on device); steps.csv in "
+    artifacts = Path(run.info.artifact_uri[len("file://"):])  # on the full disk: named, not the store's database
+    assert one_line(err) == (f"interrupted by SIGTERM: run {run.info.run_id}: the artifact folder {artifacts} refused "
+                             f"its steps.csv and timeline.png (OSError: No space left on device); steps.csv in "
                              f"{folder / 'steps.csv'}")
     steps = csv_steps(folder / "steps.csv")
     recorded = MlflowClient(tracking_uri).get_run(run.info.run_id)
@@ -164,6 +277,19 @@ def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(t
     assert recorded.data.metrics["total_steps"] == len(steps) >= 10 and steps == list(range(1, len(steps) + 1))
     history = MlflowClient(tracking_uri).get_metric_history(run.info.run_id, "step_ms")
     assert [m.step for m in history] == steps  # the per-step series reached the database
+
+
+def test_an_artifact_disk_full_before_the_run_names_the_artifact_folder(tmp_path, tracking_uri):
+    with small_tmpfs(tmp_path / "mlartifacts", "1m") as disk:  # where the store puts artifacts (beside the DB)
+        fill(disk)
+        proc = run_cli(tmp_path, tracking_uri, *TINY)
+    (run,) = all_runs(tracking_uri)
+    artifacts = Path(run.info.artifact_uri[len("file://"):])
+    assert proc.returncode == 1 and one_line(proc.stderr) == (
+        f"error: tracking.uri={tracking_uri}: its artifact folder {artifacts} cannot be written (No space left on "
+        "device): free space on that disk (or make the folder writable), or set tracking.uri=sqlite:///<a folder on "
+        f"another disk>/mlflow.db (a new store keeps its artifacts beside it) (run {run.info.run_id} marked FAILED)")
+    assert run.info.status == "FAILED" and str(artifacts) in run.data.tags["error"]
 
 
 # -- reading the store back ------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,8 +15,9 @@ import pytest
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
-from clirun import start, stop_leftovers, wait_for_running
+from clirun import LONG, start, stop_leftovers, wait_for_running
 from trainer.tracking import report, sweep
+from trainer.tracking.plain import ACROSS_TIME
 from trainer.errors import ConfigError
 from trainer.loop.run import run
 
@@ -175,6 +177,28 @@ def test_submitit_local_jobs_run_in_their_own_processes_nested_under_the_parent(
     assert len(list((tmp_path / "multirun" / ".submitit").iterdir())) >= 2  # submitit's own job folders
 
 
+def test_a_job_timed_beside_another_run_of_the_store_is_marked(tmp_path, tiny_cfg, tracking_uri):
+    """Two sweeps (or a sweep and a run) into one store at once, on one device: both finish, and
+    the sweep's table marks its job timed while the other run was being timed, naming that run."""
+    other = start(tmp_path, tracking_uri, *LONG)
+    try:
+        (theirs,) = wait_for_running(tracking_uri, other, steps=4)  # past its 2 warm-up steps: being timed
+        parent_id = sweep.start_parent(tiny_cfg().tracking, "beside another", ["loader"], {})
+        run(tiny_cfg("loader=baseline", f"tracking.parent_run_id={parent_id}"))
+        other.send_signal(signal.SIGINT)  # stopped, it records the timed region it had
+        assert other.wait(timeout=120) == 130
+    finally:
+        stop_leftovers()
+    sweep.finish_parent(tracking_uri, parent_id)
+    client = MlflowClient(tracking_uri)
+    _, rows = report.compare(client, client.get_run(parent_id))
+    assert [r["overlap"] for r in rows] == [f"run {theirs.info.run_id[:8]}"]
+    assert report.overlap_warning(rows) == (
+        f"warning: jobs 0 were timed at the same time on a shared device (column overlap), some beside other runs of "
+        f"this store ({theirs.info.run_id}): their figures disturb each other; run a timing sweep one job at a time, "
+        "and no other run beside it (see README)")
+
+
 def test_speedup_pairs_jobs_with_the_same_other_settings(tiny_cfg, tracking_uri):
     """In-process: children attached by `tracking.parent_run_id`; `loader.depth` (prefetch only)
     does not split prefetch from its baseline, `loader.batch_size` does."""
@@ -217,15 +241,23 @@ def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, t
     assert "best_run_id" not in client.get_run(parent_id).data.tags
     assert "engine_vs_plain" not in out[1]
 
-    # --plain: each job's config run again as a plain loop in its own process, logged on the job.
+    # --plain: each job's config run again as a plain loop in its own process, now, logged on the job
+    # as when it was timed; their ratio, across time, is printed as no measurement and never logged.
     assert report.main(["--uri", tracking_uri, "--plain", "--csv", str(tmp_path / "t.csv")]) == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[1].split()[-2:] == ["plain_ms_per_step", "engine_vs_plain"]
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    assert out[1].split()[-1] == "plain_ms_per_step" and report.LEGEND["plain"] in out
+    said = [line for line in captured.err.splitlines() if line.startswith("loader=")]  # (MLflow's download bars aside)
+    assert len(said) == 2 and all(re.fullmatch(rf"loader=\w+: engine [\d.]+ ms/step when it ran, plain loop [\d.]+ "
+                                               rf"now; their ratio [\d.]+ is {re.escape(ACROSS_TIME)}", line) for line in said)
     rows = csv_rows((tmp_path / "t.csv").read_text())
+    assert len(rows) == 2 and all("engine_vs_plain" not in row for row in rows)
     for row in rows:
-        assert float(row["engine_vs_plain"]) == pytest.approx(float(row["ms_per_step"]) / float(row["plain_ms_per_step"]))
-        logged = client.get_run(row["run_id"]).data.metrics
-        assert logged["plain_timed_steps"] == 5 and logged["engine_vs_plain"] == float(row["engine_vs_plain"])
+        logged = client.get_run(row["run_id"])
+        assert logged.data.metrics["plain_timed_steps"] == 5 and "engine_vs_plain" not in logged.data.metrics
+        assert float(row["plain_ms_per_step"]) == logged.data.metrics["plain_ms_per_step"]
+        assert re.fullmatch(r"after the run, at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ \(report --plain\)",
+                            logged.data.tags["plain_timed"])
 
 
 def test_report_shows_the_pinned_ceiling_beside_the_copy_bandwidth_when_a_job_logged_it():
@@ -277,6 +309,18 @@ def test_report_usage_lists_run_and_sweep(capsys):
     out = capsys.readouterr().out
     assert "[--run RUN_ID | --sweep RUN_ID]" in " ".join(out.split())  # the usage, however argparse wraps it
     assert "\n  --run RUN_ID " in out and "\n  --sweep RUN_ID " in out
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--run"], "error: --run: --run takes a value: write --run=<RUN_ID>"),
+    (["--sweep", "a", "--run", "b"], "error: argument --run: not allowed with argument --sweep: see python -m trainer.report --help"),
+    (["--rnu", "x"], "error: --rnu: not an option of python -m trainer.report; did you mean --run? "
+                     "(python -m trainer.report --help lists them)"),
+])
+def test_a_bad_report_argument_is_one_line_not_the_usage(capsys, args, line):
+    with pytest.raises(SystemExit) as done:
+        report.main(args)
+    assert done.value.code == 2 and capsys.readouterr().err == line + "\n"
 
 
 @pytest.mark.parametrize("option,path", [("--csv", "{tmp}/nodir/x.csv"), ("--markdown", "/proc/nope.md"),

@@ -48,7 +48,7 @@ try:  # one line, no traceback
     import trainer.components  # noqa: F401  (registers every dataset, loader and model option, before Hydra composes)
     from trainer.config import BASE_DIR, CONF_DIR, INSTALLED
     from trainer.loop import distributed, faults
-    from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed
+    from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed, argument_error_line
     from trainer.loop.run import run
     from trainer.tools.turns import pause_if_asked
 except KeyboardInterrupt:
@@ -151,6 +151,8 @@ def hydra_error_line(err: Exception, multirun: bool) -> str | None:
     if isinstance(err, (ConfigCompositionException, OverrideParseException)):  # Hydra's own words, on one line
         detail = f" ({cause.msg.splitlines()[0]})" if isinstance(cause, OmegaConfBaseException) else ""
         return " ".join(str(err).split()) + detail
+    if isinstance(err, ValueError) and isinstance(cause, OSError) and not _from_the_run(err):
+        err = cause  # Hydra's log file in the run's folder: Python's logging config raises it as a ValueError
     if isinstance(err, OSError) and not _from_the_run(err):  # making the run's folder, saving its .hydra/
         key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
         if err.errno in (errno.EEXIST, errno.ENOTDIR):
@@ -291,7 +293,7 @@ def args_parser() -> argparse.ArgumentParser:
     takes overrides on both sides of its options, and a bad argument is one line, exit 1."""
     parser = get_args_parser()
     parser.parse_args = lambda args=None, namespace=None: _one_command(parser.parse_intermixed_args(args, namespace))
-    parser.error = lambda message: _refuse(argument_error_line(message, parser))
+    parser.error = lambda message: _refuse(argument_error_line(message, parser, "python -m trainer", QUIET, overrides=True))
     return parser
 
 
@@ -319,30 +321,6 @@ def _one_command(args: argparse.Namespace) -> argparse.Namespace:
 def _refuse(line: str):
     print(f"error: {line}", file=sys.stderr)
     raise SystemExit(EXIT_FAILED)
-
-
-def argument_error_line(message: str, parser: argparse.ArgumentParser) -> str:
-    """The one line for an argument Hydra's parser refuses (argparse's `message`), naming the
-    argument and the fix."""
-    if message.startswith("unrecognized arguments: "):  # --bogus
-        unknown = message[len("unrecognized arguments: "):].split()
-        # An unknown option's value comes along ("--cofg job"): name the options.
-        args = " ".join([a for a in unknown if a.startswith("-")] or unknown)
-        options = [s for a in parser._actions for s in a.option_strings] + list(QUIET)
-        close = difflib.get_close_matches(args.split()[0].split("=")[0], options, n=1)
-        return (f"{args}: not an option of python -m trainer{f'; did you mean {close[0]}?' if close else ''} "
-                f"(python -m trainer --help lists them; overrides are written key=value)")
-    found = re.fullmatch(r"argument (\S+): (invalid choice: '?(.*?)'? \(choose from .*\)|expected one argument)", message)
-    if found is None:  # ambiguous option: --conf could match ...
-        return f"{message}: see python -m trainer --help"
-    option, value = found[1].split("/")[0], found[3]
-    choices = parser._option_string_actions[option].choices
-    takes = f"{option} takes {', '.join(choices)}" if choices else f"{option} takes a value"
-    if value is None:  # --cfg, last
-        return f"{option}: {takes}: write {option}={choices[0] if choices else '<value>'}"
-    close = difflib.get_close_matches(value, choices, n=1)  # --cfg jobx
-    fix = f"; did you mean {option} {close[0]}?" if close else f": write {option} {choices[0]}"
-    return f"{option} {value}: {takes}{fix}"
 
 
 def cli() -> None:

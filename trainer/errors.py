@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import re
 import signal
-from typing import Optional
+import sys
+from typing import NoReturn, Optional, Sequence
 
 EXIT_FAILED = 1
 
@@ -45,3 +49,42 @@ class Interrupted(KeyboardInterrupt):
     def exit_code(self) -> int:
         """The shell's convention for 'killed by signal N': 128 + N."""
         return 128 + self.signum
+
+
+def argument_error_line(message: str, parser: argparse.ArgumentParser, program: str,
+                        more_options: Sequence[str] = (), overrides: bool = False) -> str:
+    """The one line for an argument a command's argparse parser refuses (argparse's `message`,
+    which it would print after its usage), naming the argument and the fix. `program`: the
+    command as typed; `more_options`: options it takes outside the parser; `overrides`: it takes
+    key=value overrides too."""
+    if message.startswith("unrecognized arguments: "):  # --bogus
+        unknown = message[len("unrecognized arguments: "):].split()
+        # An unknown option's value comes along ("--cofg job"): name the options.
+        args = " ".join([a for a in unknown if a.startswith("-")] or unknown)
+        options = [s for a in parser._actions for s in a.option_strings] + list(more_options)
+        close = difflib.get_close_matches(args.split()[0].split("=")[0], options, n=1)
+        return (f"{args}: not an option of {program}{f'; did you mean {close[0]}?' if close else ''} "
+                f"({program} --help lists them{'; overrides are written key=value' if overrides else ''})")
+    found = re.fullmatch(r"argument (\S+): (invalid choice: '?(.*?)'? \(choose from .*\)|expected one argument)", message)
+    if found is None:  # ambiguous option: --conf could match ...
+        return f"{message}: see {program} --help"
+    option, value = found[1].split("/")[0], found[3]
+    action = parser._option_string_actions[option]
+    choices = action.choices
+    takes = f"{option} takes {', '.join(choices)}" if choices else f"{option} takes a value"
+    if value is None:  # --cfg, last
+        example = choices[0] if choices else f"<{action.metavar or 'value'}>"  # --run=<RUN_ID>
+        return f"{option}: {takes}: write {option}={example}"
+    close = difflib.get_close_matches(value, choices, n=1)  # --cfg jobx
+    fix = f"; did you mean {option} {close[0]}?" if close else f": write {option} {choices[0]}"
+    return f"{option} {value}: {takes}{fix}"
+
+
+def one_line_argument_errors(parser: argparse.ArgumentParser, program: str, exit_status: int) -> argparse.ArgumentParser:
+    """`parser`, refusing a bad argument in one line (`argument_error_line`) and `exit_status`,
+    not argparse's usage text."""
+    def refuse(message: str) -> NoReturn:
+        print(f"error: {argument_error_line(message, parser, program)}", file=sys.stderr)
+        raise SystemExit(exit_status)
+    parser.error = refuse
+    return parser

@@ -39,8 +39,9 @@ class StopSignals:
     Signal handlers can only be set from the main thread; elsewhere this does nothing.
     """
 
-    def __init__(self, announce: bool = True) -> None:
+    def __init__(self, announce: bool = True, waiting_for: str = "the run's records are written") -> None:
         self.announce = announce  # under torchrun only rank 0 says it (every rank gets the signal)
+        self.waiting_for = waiting_for  # what a held signal waits for, as the note names it
         self._previous: dict = {}
         self._armed = False
         self._pending: Optional[int] = None
@@ -84,7 +85,7 @@ class StopSignals:
             self._pending = signum
             # os.write, not print: a handler may run in the middle of another write to stderr.
             if self.announce:
-                os.write(2, b"feedbench: stopping once the run's records are written (signal again to stop at once)\n")
+                os.write(2, f"feedbench: stopping once {self.waiting_for} (signal again to stop at once)\n".encode())
             return
         raise Interrupted(signum)
 

@@ -127,7 +127,9 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None) ->
             tell(cfg, getattr(stopped, "run_id", None))
         raise
     finally:
-        if journal is not None:  # the run is closed with its records: the journal was their fallback
+        # The run is closed with its records: the journal was their fallback. Kept when the store
+        # refused some of them: a run it could not close is recovered from it (`recover_dead_runs`).
+        if journal is not None and not getattr(tracker, "refused", None):
             journal.path.unlink(missing_ok=True)
     tell(cfg, tracker.run_id)  # what it found, on stderr, now that the run is closed (none if it failed)
     return summary

@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -158,7 +159,7 @@ def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=No
         if "pid" not in tags or not is_dead_here(tags):
             continue  # another host's, a live one, or a run from before runs were tagged
         run_id = run.info.run_id
-        path = Path(tags.get("journal", ""))
+        path = Path(tags["journal"]) if tags.get("journal") else _in_artifacts(run.info.artifact_uri)
         journal = read_journal(path) if path.is_file() else []  # a sweep's parent has none
         # when it last wrote its journal: the closest known time to its death
         end_ms = int((path.stat().st_mtime if path.is_file() else time.time()) * 1000)
@@ -174,8 +175,16 @@ def recover_dead_runs(client, experiment_ids: Optional[List[str]] = None, log=No
         client.set_tag(run_id, "interrupted_by", "killed (process gone)")
         client.set_terminated(run_id, RunStatus.to_string(RunStatus.KILLED), end_time=end_ms)
         recovered.append(run_id)
-        log(f"feedbench: {_what_ended(tags, run_id, len(journal))} (tag recovered=true)")
+        kept = len(journal) if "journal" in tags or path.is_file() else None
+        log(f"feedbench: {_what_ended(tags, run_id, kept)} (tag recovered=true)")
     return recovered
+
+
+def _in_artifacts(artifact_uri: str) -> Path:
+    """Where a run keeps its journal when its artifact folder is local (`trainer.loop.run`): found
+    there when the store refused the tag naming it (a full disk)."""
+    parts = urllib.parse.urlsplit(artifact_uri)
+    return Path(urllib.parse.unquote(parts.path)) / JOURNAL if parts.scheme in ("file", "") else Path("")
 
 
 def _remove_scratch(folder: str) -> None:
@@ -185,7 +194,7 @@ def _remove_scratch(folder: str) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _what_ended(tags: Dict[str, str], run_id: str, steps: int) -> str:
+def _what_ended(tags: Dict[str, str], run_id: str, steps: Optional[int]) -> str:
     """The recovered run in words true of it: a sweep's (or an advice's) parent run takes no steps
     of its own, its jobs are runs of their own; a run with no journal kept none."""
     ended = f"(pid {tags['pid']}) ended without closing: marked KILLED"
@@ -193,7 +202,7 @@ def _what_ended(tags: Dict[str, str], run_id: str, steps: int) -> str:
         return f"sweep run {run_id} {ended}; a sweep's parent run takes no steps of its own, its jobs are runs of their own"
     if tags.get("advise") == "true":
         return f"advice run {run_id} {ended}; it takes no steps of its own, its rungs are runs of their own"
-    kept = f"with the {steps} steps of its journal" if "journal" in tags else \
+    kept = f"with the {steps} steps of its journal" if steps is not None else \
         "with no steps (it kept no journal: it died before its loop, or engine.journal_s=0)"
     return f"run {run_id} {ended} {kept}"
 

@@ -30,15 +30,17 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from trainer.config import OBJECTIVES
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, one_line_argument_errors
 from trainer.tracking.journal import recover_dead_runs, shown_status
 from trainer.tracking.run_summary import describe
-from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri
+from trainer.tracking.store import PER_STEP_METRICS, check_store_to_read, default_uri, reason
+from trainer.tracking.store import shown as masked
 
 METRICS = ("throughput_samples_per_s", "speedup_vs_baseline", "ms_per_step", "ms_per_step_ci95",
            "compute_stream_span_fraction", "data_wait_fraction", "h2d_GBps", "host_page_faults_per_step",
            "host_cpu_ms_per_step")
-# Shown only when some job has them: written by `--plain` (a plain loop over the same loader).
+# Shown only when some job has them: written by `--plain` (a plain loop over the same loader, timed
+# then), and by earlier versions of it, which logged the ratio too.
 PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
@@ -56,7 +58,10 @@ LEGEND = {"noise": f"{WITHIN_NOISE}  speedup within noise: its 95% interval incl
           "cpu": "blank compute_stream_span_fraction, h2d_GBps: the job ran on the CPU, where they mean nothing",
           "all_cpu": "no compute_stream_span_fraction, h2d_GBps columns: every job ran on the CPU, where they mean nothing",
           "degraded": "degraded: no CUDA, the job ran the CPU path in place of its strategy's: not a measurement of it",
-          "stopped": "KILLED, FAILED: the figures of the steps the job timed before it stopped: no speedup, never best"}
+          "stopped": "KILLED, FAILED: the figures of the steps the job timed before it stopped: no speedup, never best",
+          "plain": "plain_ms_per_step: a plain loop timed by report --plain after the job, not beside it: against "
+                   "ms_per_step it compares two moments of a host whose speed drifts (python -m trainer.overhead "
+                   "times what the engine costs, in turns)"}
 FINISHED = "FINISHED"
 
 
@@ -138,16 +143,19 @@ def column(key: str) -> str:
     return group if leaf == "name" else key
 
 
-def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[Dict[str, object]]]:
+def comparison_rows(parent: Run, runs: Sequence[Run],
+                    others: Sequence[Run] = ()) -> Tuple[List[str], List[Dict[str, object]]]:
     """One row per job: its distinguishing settings, status and metrics, and its speedup over
     the `baseline` job with the same other settings (None when there is no finished one).
 
     A job that stopped (KILLED, FAILED) shows what it timed before it stopped, its status saying
     so; a speedup is only of a finished job over a finished baseline: a partial run compares with
-    nothing.
+    nothing. `others`: the store's runs outside this sweep, whose timed regions may have
+    overlapped the jobs' (another sweep into the same store at the same time).
     """
-    keys, others = setting_keys(runs, [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k])
-    overlaps = overlapping(runs)
+    keys, others_keys = setting_keys(runs, [k for k in parent.data.tags.get("sweep.keys", "").split(",") if k])
+    overlaps = overlapping(runs, others)
+    full = {f"run {o.info.run_id[:8]}": o.info.run_id for o in others}  # an other run's label -> its id
     rows: List[Dict[str, object]] = []
     for i, r in enumerate(runs):
         tags = r.data.tags
@@ -160,15 +168,16 @@ def comparison_rows(parent: Run, runs: Sequence[Run]) -> Tuple[List[str], List[D
             row[m] = None if m in GPU_ONLY and row["device"] == "cpu" else r.data.metrics.get(m)
         row["ms_per_step_ci95"] = half_width(r.data.metrics)
         row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
+        row["overlap_runs"] = [full[label] for label in overlaps.get(r.info.run_id, []) if label in full]  # full ids
         row["run_id"] = r.info.run_id
         rows.append(row)
     for row, r in zip(rows, runs):
         if row["throughput_samples_per_s"] is None or row["status"] != FINISHED:
             continue
-        setting = [r.data.params.get(k) for k in others]
+        setting = [r.data.params.get(k) for k in others_keys]
         for b_row, b in zip(rows, runs):
             if (b.data.params.get(STRATEGY) == BASELINE and b_row["status"] == FINISHED
-                    and b_row["throughput_samples_per_s"] and [b.data.params.get(k) for k in others] == setting):
+                    and b_row["throughput_samples_per_s"] and [b.data.params.get(k) for k in others_keys] == setting):
                 row["speedup_vs_baseline"] = row["throughput_samples_per_s"] / b_row["throughput_samples_per_s"]
                 row["speedup_within_noise"] = None if b_row is row else within_noise(row, b_row)
                 break
@@ -192,29 +201,55 @@ def within_noise(row: dict, baseline: dict) -> Optional[bool]:
     return abs(math.log(row["speedup_vs_baseline"])) <= math.hypot(*(h / ms for h, ms in spread))
 
 
-def overlapping(runs: Sequence[Run]) -> Dict[str, List[str]]:
+def overlapping(runs: Sequence[Run], others: Sequence[Run] = ()) -> Dict[str, List[str]]:
     """run id -> the jobs (`sweep.job`) whose timed region overlapped its own in time on a device
-    both used (tag `device_ids`: host and GPU UUID, or host and `cpu`)."""
-    spans = []
-    for i, r in enumerate(runs):
-        m, devices = r.data.metrics, set(filter(None, r.data.tags.get("device_ids", "").split(",")))
-        if devices and "timed_start_unix_s" in m and "timed_end_unix_s" in m:
-            spans.append((r.info.run_id, r.data.tags.get("sweep.job", str(i)), devices,
-                          m["timed_start_unix_s"], m["timed_end_unix_s"]))
+    both used (tag `device_ids`: host and GPU UUID, or host and `cpu`), and the other runs of the
+    store that did (`run <first 8 characters of its id>`: another sweep's, a run of its own)."""
+    def spans(group: Sequence[Run], label) -> list:
+        found = []
+        for i, r in enumerate(group):
+            m, devices = r.data.metrics, set(filter(None, r.data.tags.get("device_ids", "").split(",")))
+            if devices and "timed_start_unix_s" in m and "timed_end_unix_s" in m:
+                found.append((r.info.run_id, label(i, r), devices, m["timed_start_unix_s"], m["timed_end_unix_s"]))
+        return found
+    jobs = spans(runs, lambda i, r: r.data.tags.get("sweep.job", str(i)))
+    mine = {run_id for run_id, *_ in jobs}
+    elsewhere = spans([o for o in others if o.info.run_id not in mine], lambda i, r: f"run {r.info.run_id[:8]}")
     found: Dict[str, List[str]] = {}
-    for run_id, _, devices, start, end in spans:
-        found[run_id] = [job for other, job, d, a, b in spans
+    for run_id, _, devices, start, end in jobs:
+        found[run_id] = [label for other, label, d, a, b in jobs + elsewhere
                          if other != run_id and devices & d and a < end and start < b]
     return found
 
 
+def timed_beside(client: MlflowClient, parent: Run, runs: Sequence[Run]) -> List[Run]:
+    """The store's other runs that were open while any of `runs` was timed: those whose timed
+    region may have overlapped a job's (two sweeps into one store at once). Runs still open have
+    logged no timed region yet; a later report sees them."""
+    windows = [(r.data.metrics["timed_start_unix_s"], r.data.metrics["timed_end_unix_s"]) for r in runs
+               if "timed_start_unix_s" in r.data.metrics and "timed_end_unix_s" in r.data.metrics]
+    if not windows:
+        return []
+    first, last = min(a for a, _ in windows), max(b for _, b in windows)
+    ids = [e.experiment_id for e in client.search_experiments()]
+    # A run is open (start_time to end_time, in ms) around its timed region: a window in SQL first.
+    near = client.search_runs(ids, f"attributes.start_time <= {math.ceil(last * 1000)} and "
+                                   f"attributes.end_time >= {math.floor(first * 1000)}", max_results=5000)
+    ours = {parent.info.run_id, *(r.info.run_id for r in runs)}
+    return [r for r in near if r.info.run_id not in ours]
+
+
 def overlap_warning(rows: Sequence[dict]) -> Optional[str]:
-    """One line naming the jobs timed at the same time on one device, or None."""
+    """One line naming the jobs timed at the same time on one device as another job or another
+    run of the store, or None."""
     jobs = [str(r["job"]) for r in rows if r.get("overlap")]
     if not jobs:
         return None
-    return (f"warning: jobs {', '.join(jobs)} were timed at the same time on a shared device (column overlap): "
-            "their figures disturb each other; run a timing sweep one job at a time (see README)")
+    elsewhere = sorted({run_id for r in rows for run_id in r.get("overlap_runs", ())})
+    return (f"warning: jobs {', '.join(jobs)} were timed at the same time on a shared device (column overlap)"
+            + (f", some beside other runs of this store ({', '.join(elsewhere)})" if elsewhere else "")
+            + ": their figures disturb each other; run a timing sweep one job at a time"
+            + (", and no other run beside it" if elsewhere else "") + " (see README)")
 
 
 def metric_columns(rows: Sequence[dict]) -> List[str]:
@@ -260,7 +295,8 @@ def legend(rows: Sequence[dict]) -> List[str]:
              "cpu": on_cpu and gpu_columns, "all_cpu": on_cpu and not gpu_columns,
              "degraded": any(r.get("degraded") for r in rows),
              "stopped": any(r.get("status") != FINISHED and _cell("ms_per_step", r.get("ms_per_step"), False)
-                            for r in rows)}
+                            for r in rows),
+             "plain": any(r.get("plain_ms_per_step") is not None for r in rows)}
     return [LEGEND[k] for k, shown_ in marks.items() if shown_]
 
 
@@ -347,8 +383,10 @@ def _jobs(numbers: Sequence[str]) -> str:
 
 
 def compare(client: MlflowClient, parent: Run) -> Tuple[List[str], List[Dict[str, object]]]:
-    """The comparison of one sweep (the parent run and its children)."""
-    return comparison_rows(parent, children(client, parent))
+    """The comparison of one sweep (the parent run and its children), each job marked with the
+    jobs and the store's other runs timed beside it on its device."""
+    runs = children(client, parent)
+    return comparison_rows(parent, runs, timed_beside(client, parent, runs))
 
 
 # ----------------------------------------------------------------------------- one run
@@ -431,9 +469,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--csv", type=Path, metavar="PATH", help="also write the table as CSV (full precision)")
     p.add_argument("--markdown", type=Path, metavar="PATH", help="also write the table as Markdown")
     p.add_argument("--plain", action="store_true",
-                   help="first run a plain loop for each finished job (same config, fresh process) and log "
-                        "plain_ms_per_step and engine_vs_plain on it: the reference for the engine's figures")
-    args = p.parse_args(argv)
+                   help="first run a plain loop for each finished job now (same config, fresh process) and log "
+                        "plain_ms_per_step on it, tagged plain_timed (timed after the job, not beside it)")
+    args = one_line_argument_errors(p, "python -m trainer.report", exit_status=2).parse_args(argv)
     paths = {option: path for option, path in (("--csv", args.csv), ("--markdown", args.markdown)) if path}
     try:
         for option, path in paths.items():
@@ -443,7 +481,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     try:
         client, uri = open_store(args.uri)
-        recover_dead_runs(client)  # runs of this host whose process died: KILLED, from their journals
+        try:
+            recover_dead_runs(client)  # runs of this host whose process died: KILLED, from their journals
+        except Exception as e:  # a store on a full disk: reading it still works, closing runs does not
+            print(f"warning: the store at {masked(uri)} refused to close the runs whose process is gone ({reason(e)}): "
+                  "free space on its disk; the next report or run closes them", file=sys.stderr)
         parent = find_parent(client, args.experiment, args.run or args.sweep, sweeps_only=False,
                              option="--sweep" if args.sweep else "--run")
     except ConfigError as e:

@@ -13,7 +13,6 @@ import csv
 import importlib.util
 import json
 import math
-import sys
 import tempfile
 import time
 import urllib.parse
@@ -29,10 +28,11 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 from mlflow.tracking import MlflowClient
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunFailed
 from trainer.loop.meter import STEP_COLUMNS
 from trainer.tracking import plots
-from trainer.tracking.store import OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten, shown, store_errors
+from trainer.tracking.store import (OUTPUTS, PER_STEP_METRICS, default_uri, experiment_id, flatten, reason, shown,
+                                    store_errors)
 
 
 def system_metrics(tracking) -> Optional[bool]:
@@ -98,7 +98,9 @@ class Tracker:
     series, pictures, then the tags and the status. Artifacts go straight to the run's artifact
     folder, so they are kept when the database refuses them; a `steps.csv` or summary the store
     refuses is written to the run's folder (`local_folder`) instead. The exception closing the
-    run (or, for a finished run, a warning line) then says what was refused and where it went.
+    run then says what was refused, why, and where it went: a run that finished but whose
+    records the store refused is closed FAILED with a `RunFailed` of its own (a run recorded
+    FINISHED without its figures would be false).
     """
 
     def __init__(self, cfg, tags: Dict[str, str]):
@@ -115,19 +117,29 @@ class Tracker:
                                         tags={**tags, **sweep_tags}, log_system_metrics=system_metrics(cfg.tracking))
         self.run_id = self.run.info.run_id
         self.artifacts = get_artifact_repository(self.run.info.artifact_uri)  # written without the database
+        self.folder = artifact_folder(self.run.info.artifact_uri)
         self.summary: Dict[str, float] = {}
         self.rows: List[dict] = []
         self.tables: List[Tuple[List[dict], str]] = []  # other ranks' steps: (rows, file name)
         self.files: List[Path] = []
         self.tags: Dict[str, str] = {}  # refused while the run ran: tried again at the close
-        self.refused: List[Tuple[str, BaseException]] = []  # (what, why), in the order saved
+        self.refused: List[Tuple[str, BaseException, bool]] = []  # (what, why, an artifact?), in the order saved
         self.kept: Dict[str, Path] = {}  # what the store refused -> where it was written instead
         try:
             with store_errors(self.uri):
                 items = list(flatten(cfg).items())
                 for i in range(0, len(items), 100):  # log_batch takes at most 100 params
                     mlflow.log_params(dict(items[i:i + 100]))
-                mlflow.log_text(OmegaConf.to_yaml(cfg, resolve=True), "config.yaml")
+            with tempfile.TemporaryDirectory() as tmp:
+                config = Path(tmp) / "config.yaml"
+                config.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+                try:
+                    self.artifacts.log_artifact(str(config))
+                except OSError as e:  # the artifacts' disk, not the database's: name the folder that refused it
+                    raise ConfigError(f"tracking.uri={shown(self.uri)}: its artifact folder {self.folder} cannot be "
+                                      f"written ({e.strerror or e}): free space on that disk (or make the folder "
+                                      "writable), or set tracking.uri=sqlite:///<a folder on another disk>/mlflow.db "
+                                      "(a new store keeps its artifacts beside it)") from None
         except BaseException as e:  # the run is open but no `with` block holds it yet: close it here
             self.__exit__(type(e), e, e.__traceback__)
             raise
@@ -148,6 +160,12 @@ class Tracker:
             if getattr(exc, "step", None) is not None:
                 self.tags["failed_step"] = str(exc.step)
         self._save()
+        if exc is None and self.refused:
+            # The run took its steps, but what it measured is not all in the store: a run recorded
+            # FINISHED without its figures (and exit 0) would be false. Failed, saying where they are.
+            exc = RunFailed("the run finished, but the store did not take all it measured")
+            status = RunStatus.to_string(RunStatus.FAILED)
+            self.tags["error"] = f"{exc} ({self.refusal()})"[:5000]
         if self.tags:
             tags = [RunTag(k, v) for k, v in self.tags.items()]
             self._attempt("tags", lambda: self.client.log_batch(self.run_id, tags=tags))
@@ -157,8 +175,8 @@ class Tracker:
             exc.run_id = self.run_id  # lets the one-line report name the run
             if note:
                 exc.refused = note
-        elif note:
-            print(f"warning: run {self.run_id} finished, but {note}", file=sys.stderr)
+        if exc_type is None and exc is not None:
+            raise exc
         return False
 
     def _save(self) -> None:
@@ -170,23 +188,26 @@ class Tracker:
                             lambda path: path.write_text(json.dumps(self.summary, indent=1)))
         with tempfile.TemporaryDirectory() as tmp:
             for rows, name in [(self.rows, "steps.csv")] * bool(self.rows) + self.tables:
-                if not self._attempt(name, lambda: self.artifacts.log_artifact(str(write_rows(rows, Path(tmp) / name)))):
+                if not self._attempt(name, lambda: self.artifacts.log_artifact(str(write_rows(rows, Path(tmp) / name))),
+                                     artifact=True):
                     self._keep_here(name, name, lambda local: write_rows(rows, local))
             if self.rows:
                 self._attempt("per-step metrics", lambda: self._log_series(self.rows))
                 title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
                 self._attempt("timeline.png", lambda: self.artifacts.log_artifact(str(
-                    plots.timeline(self.rows, Path(tmp) / "timeline.png", self.cfg.engine.warmup_steps, title))))
+                    plots.timeline(self.rows, Path(tmp) / "timeline.png", self.cfg.engine.warmup_steps, title))),
+                    artifact=True)
         for path in self.files:
-            self._attempt(path.name, lambda: self.artifacts.log_artifact(str(path)))
+            self._attempt(path.name, lambda: self.artifacts.log_artifact(str(path)), artifact=True)
 
-    def _attempt(self, what: str, write: Callable[[], object]) -> bool:
-        """Run one write to the store; what it refuses is noted, not raised: the rest is still saved."""
+    def _attempt(self, what: str, write: Callable[[], object], artifact: bool = False) -> bool:
+        """Run one write to the store (`artifact`: a file into the run's artifact folder, which the
+        database does not hold); what it refuses is noted, not raised: the rest is still saved."""
         try:
             write()
             return True
         except Exception as e:  # MLflow's, SQLAlchemy's and the file system's errors alike
-            self.refused.append((what, e))
+            self.refused.append((what, e, artifact))
             return False
 
     def _keep_here(self, what: str, name: str, write: Callable[[Path], object]) -> None:
@@ -203,14 +224,18 @@ class Tracker:
         """One phrase: what the store refused, why, and where the data went (None: nothing refused)."""
         if not self.refused:
             return None
-        what = [w for w, _ in self.refused]
-        listed = ", ".join(what[:-1]) + " and " + what[-1] if len(what) > 1 else what[0]
+        what = [w for w, _, _ in self.refused]
+        # The database and the artifact folder may sit on different disks: each named for what it refused.
+        refusals = []
+        for artifact, by in ((False, f"the store at {shown(self.uri)}"), (True, f"the artifact folder {self.folder}")):
+            mine = [(w, e) for w, e, a in self.refused if a == artifact]
+            if mine:
+                refusals.append(f"{by} refused its {_listed([w for w, _ in mine])} ({reason(mine[0][1])})")
         where = [f"{w} in {path}" for w, path in self.kept.items()]
         if self.rows and "steps.csv" not in what:
-            where.append(f"steps.csv in {artifact_folder(self.run.info.artifact_uri)}")
+            where.append(f"steps.csv in {self.folder}")
         lost = [w for w in ("summary metrics", "steps.csv") if w in what and w not in self.kept]
-        return (f"the store at {shown(self.uri)} refused its {listed} ({reason(self.refused[0][1])})"
-                + "".join(f"; {w}" for w in where) + (f"; lost: {' and '.join(lost)}" if lost else ""))
+        return "; ".join(refusals) + "".join(f"; {w}" for w in where) + (f"; lost: {' and '.join(lost)}" if lost else "")
 
     def _log_series(self, rows: List[dict]) -> None:
         """Per-step series (`log_batch`, step = global step). A column a loop adds to the rows
@@ -230,7 +255,7 @@ class Tracker:
             self.tags.update(tags)
 
     def log_environment(self, env: Dict[str, object]) -> None:
-        self._attempt("environment.json", lambda: mlflow.log_dict(env, "environment.json"))
+        self._attempt("environment.json", lambda: mlflow.log_dict(env, "environment.json"), artifact=True)
 
     def log_steps(self, rows: List[dict]) -> None:
         """Per-step rows: `steps.csv`, the per-step series and `timeline.png`, saved at the close."""
@@ -245,6 +270,11 @@ class Tracker:
 
     def log_artifact(self, path: Path) -> None:
         self.files.append(path)
+
+
+def _listed(items: List[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
 
 
 def write_rows(rows: List[dict], path: Path) -> Path:
@@ -268,13 +298,6 @@ def local_folder(run_id: str) -> Path:
     if HydraConfig.initialized():
         return Path(HydraConfig.get().runtime.output_dir)
     return OUTPUTS / "runs" / run_id
-
-
-def reason(error: BaseException) -> str:
-    """An error in a few words: the database's own message, not SQLAlchemy's statement dump."""
-    cause = getattr(error, "orig", None) or getattr(error.__cause__, "orig", None) or error
-    text = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).split("[SQL:")[0]
-    return f"{type(cause).__name__}: {' '.join(text.split())[:200]}"
 
 
 class NoTracker:

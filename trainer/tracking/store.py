@@ -11,8 +11,10 @@ import json
 import logging
 import os
 import re
+import secrets
 import sqlite3
 import ssl
+import sys
 import tempfile
 import time
 import urllib.error
@@ -30,6 +32,7 @@ from omegaconf import OmegaConf
 
 from trainer.config import BASE_DIR
 from trainer.errors import ConfigError
+from trainer.loop.faults import StopSignals
 
 try:
     import fcntl
@@ -87,9 +90,15 @@ def store_errors(uri: str) -> Iterator[None]:
     except ConfigError:
         raise
     except Exception as e:  # MlflowException, SQLAlchemy's errors, a missing module, OSError
-        reason = " ".join(str(e).split())[:300]
-        raise ConfigError(f"tracking.uri={shown(uri)}: MLflow refused to record the run there ({type(e).__name__}: "
-                          f"{reason}): correct what it names, or set tracking.uri=null to record in {default_uri()}") from None
+        raise ConfigError(f"tracking.uri={shown(uri)}: MLflow refused to record the run there ({reason(e)}): "
+                          f"correct what it names, or set tracking.uri=null to record in {default_uri()}") from None
+
+
+def reason(error: BaseException) -> str:
+    """An error in a few words: the database's own message, not SQLAlchemy's statement dump."""
+    cause = getattr(error, "orig", None) or getattr(error.__cause__, "orig", None) or error
+    text = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause).split("[SQL:")[0]
+    return f"{type(cause).__name__}: {' '.join(text.split())[:200]}"
 
 
 def shown(uri: str) -> str:
@@ -239,10 +248,12 @@ def _check_sqlite(target: str, default: bool) -> None:
         # half-way through MLflow's migrations (another program's, the check waits out).
         _check_mlflow_database(db, target)
     with store_lock(db):
-        if _in_use(db):
-            _check_mlflow_database(db, target)
-        else:  # a new database (an empty file too): MLflow makes its tables now, one process at a time
-            _make_store(target)
+        half_made = _check_mlflow_database(db, target) if _in_use(db) else None
+        if half_made:  # nothing in it to lose: said, and made anew as a new store is
+            print(f"feedbench: {db} was left half-made by MLflow's table migrations ({half_made}) and held no "
+                  "runs: made it anew", file=sys.stderr)
+        if half_made or not _in_use(db):  # a new database (an empty file too), made one process at a time
+            _make_store(db, target)
 
 
 @contextlib.contextmanager
@@ -267,20 +278,59 @@ def _in_use(db: Path) -> bool:
     return db.exists() and db.stat().st_size > 0
 
 
-def _make_store(target: str) -> None:
-    with store_errors(target), warnings.catch_warnings():
-        # Alembic warns about MLflow's own schema while it migrates: nothing a user can act on.
-        warnings.simplefilter("ignore")
-        MlflowClient(target).search_experiments(max_results=1)
+def _make_store(db: Path, target: str) -> None:
+    """Make a new store all at once, under `store_lock`: MLflow's migrations (seconds, dozens of
+    them) run on a file of another name beside `db`, moved into place only once they are all
+    done. A process stopped half-way (Ctrl-C, a full disk, a kill) leaves no store, never a
+    half-made one; a Ctrl-C or SIGTERM meanwhile waits until the store is made (a second one
+    stops at once, leaving none), then stops the run as anywhere else."""
+    # A name of its own each time: MLflow caches a store (and its connections) by URI for the process.
+    new = db.with_name(f".{db.name}.{os.getpid()}-{secrets.token_hex(4)}.new")
+    for leftover in db.parent.glob(f".{db.name}.*.new*"):  # a killed maker's: the lock we hold was its
+        leftover.unlink(missing_ok=True)
+    uri = f"sqlite:///{new.resolve()}"
+    try:
+        # Held, not raised where it lands: MLflow and SQLAlchemy swallow an exception raised in some
+        # of their cleanup code, and the run went on as if no Ctrl-C had come.
+        with StopSignals(waiting_for="the new store is made"), store_errors(target), warnings.catch_warnings():
+            # Alembic warns about MLflow's own schema while it migrates: nothing a user can act on.
+            warnings.simplefilter("ignore")
+            try:
+                MlflowClient(uri).search_experiments(max_results=1)
+            finally:
+                _close_engine(uri)
+            for side in _side_files(db):  # a half-made store's hot journal would be rolled back into the new one
+                side.unlink(missing_ok=True)
+            os.replace(new, db)  # atomic: the store is complete, or (as before) absent
+    finally:
+        for made in (new, *_side_files(new)):
+            made.unlink(missing_ok=True)
+
+
+def _side_files(db: Path) -> Tuple[Path, ...]:
+    """The files SQLite keeps beside a database while it writes: its rollback journal, or its WAL."""
+    return tuple(db.with_name(db.name + suffix) for suffix in ("-journal", "-wal", "-shm"))
+
+
+def _close_engine(uri: str) -> None:
+    """Close MLflow's cached connections to `uri` (the store's file under its temporary name)."""
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+    engine = getattr(SqlAlchemyStore, "_engine_map", {}).pop(uri, None)  # MLflow's cache: no public API
+    if engine is not None:
+        engine.dispose()
 
 
 SETTLE_S = 1.0  # a database whose tables another process is making changes within this
+LEFT_ALONE_S = 30.0  # a half-made database unchanged this long is no longer being made
 
 
-def _check_mlflow_database(db: Path, target: str, key: str = "tracking.uri") -> None:
+def _check_mlflow_database(db: Path, target: str, key: str = "tracking.uri") -> Optional[str]:
     """An existing file must be an MLflow database of this MLflow's schema. Read only, before
     MLflow opens it: MLflow would add its tables to any SQLite database, another program's too.
-    Messages name `key`: the trainer's `tracking.uri`, or the report's `--uri`."""
+    Messages name `key`: the trainer's `tracking.uri`, or the report's `--uri`. Returns how a
+    store that MLflow stopped making half-way, and that holds no run, was left (for the trainer
+    to make anew); None for a sound one."""
     if key == "tracking.uri":
         other = db.with_name("feedbench-mlflow.db" if db.name != "feedbench-mlflow.db" else "runs.db")
         fix, away = f"set tracking.uri=sqlite:///{other} (a new file)", ", or move that file away"
@@ -291,9 +341,9 @@ def _check_mlflow_database(db: Path, target: str, key: str = "tracking.uri") -> 
         if f.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
             raise ConfigError(f"{named}: {db} is not an SQLite database: {fix}{away}")
     # Another program may be making MLflow's tables in a new database right now (ours make them
-    # under `store_lock`; a test, `mlflow ui`, do not): between two of MLflow's migrations its
-    # tables and schema look like another program's or an older MLflow's. A verdict against the
-    # file stands once the file has stopped changing.
+    # under another name, `_make_store`; a test, `mlflow ui`, do not): between two of MLflow's
+    # migrations its tables and schema look like another program's or an older MLflow's. A
+    # verdict against the file stands once the file has stopped changing.
     state = _tables_and_schema(db, named, fix)
     problem = _problem(*state, db, target, named, fix)
     deadline = time.monotonic() + 20 * SETTLE_S
@@ -303,38 +353,63 @@ def _check_mlflow_database(db: Path, target: str, key: str = "tracking.uri") -> 
         if again == state:
             break
         state, problem = again, _problem(*again, db, target, named, fix)
+    half_made = _half_made(*state)
+    if half_made and key == "tracking.uri":
+        # Another program making MLflow's tables in place (`mlflow ui`) may pause between two
+        # migrations: only a file left alone for a while is taken for one given up, and made anew.
+        age = time.time() - db.stat().st_mtime
+        if age < LEFT_ALONE_S:
+            raise ConfigError(f"{named}: {db} is half-made ({half_made}) and changed {age:.0f} s ago: another program "
+                              f"may be making it now: rerun in a minute (a half-made store that holds no runs and has "
+                              f"not changed for {LEFT_ALONE_S:.0f} s is made anew), or {fix}")
+        return half_made
     if problem:
         raise ConfigError(problem)
+    return None
 
 
-def _tables_and_schema(db: Path, named: str, fix: str) -> Tuple[frozenset, Optional[str], int]:
-    """The database's tables, the schema revision MLflow stamped in it (None: no stamp) and the
-    number of runs it holds."""
+def _tables_and_schema(db: Path, named: str, fix: str) -> Tuple[frozenset, Optional[str], int, int]:
+    """The database's tables, the schema revision MLflow stamped in it (None: no stamp), and the
+    number of runs and of experiments it holds."""
     try:
         with contextlib.closing(sqlite3.connect(f"{db.resolve().as_uri()}?mode=ro", uri=True)) as con:
             tables = frozenset(name for (name,) in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
                                if not name.startswith("sqlite_"))
             stamp = con.execute("SELECT version_num FROM alembic_version").fetchone() if "alembic_version" in tables else None
-            runs = con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+            runs, experiments = (con.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0] if table in tables else 0
+                                 for table in ("runs", "experiments"))
     except sqlite3.Error as e:  # damaged, encrypted, locked by another program
         raise ConfigError(f"{named}: {db} cannot be read as an SQLite database ({e}): {fix}, or repair that one") from None
-    return tables, stamp[0] if stamp else None, runs
+    return tables, stamp[0] if stamp else None, runs, experiments
 
 
-def _problem(tables: frozenset, revision: Optional[str], runs: int, db: Path, target: str, named: str,
-             fix: str) -> Optional[str]:
+def _half_made(tables: frozenset, revision: Optional[str], runs: int, experiments: int) -> Optional[str]:
+    """How MLflow left a store it stopped making half-way, one that holds no run (None: not one):
+    runs that opened a new store at once (before feedbench made stores under `store_lock`), or a
+    process stopped while MLflow made it in place (before `_make_store` made it under another
+    name): an older schema stamped, and leftover `_alembic_tmp_*` tables or not even MLflow's
+    first experiment, which it makes once its migrations are done."""
+    head, known = mlflow_schemas()
+    if not tables or runs or revision == head or head is None:
+        return None
+    leftovers = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
+    mlflows = revision in known or (revision is None and {"experiments", "runs"} <= tables)  # not another program's
+    if not (mlflows and (leftovers or not experiments or revision is None)):
+        return None
+    made = f"schema {revision}" if revision else "no schema stamped"
+    return made + (f", leftover tables {', '.join(leftovers)}" if leftovers else "")
+
+
+def _problem(tables: frozenset, revision: Optional[str], runs: int, experiments: int, db: Path, target: str,
+             named: str, fix: str) -> Optional[str]:
     """What keeps MLflow from recording runs in a database of these tables and schema (None: nothing)."""
     if not tables:
         return None  # a new database: MLflow makes its tables
     head, known = mlflow_schemas()
-    leftovers = sorted(t for t in tables if t.startswith("_alembic_tmp_"))
-    if revision != head and not runs and (leftovers or (revision is None and {"experiments", "runs"} <= tables)):
-        # MLflow stopped making it half-way: runs that opened a new store at once (before
-        # feedbench made stores under `store_lock`), or a process killed while it made one.
-        made = f"schema {revision}" if revision else "no schema stamped"
-        return (f"{named}: {db} was left half-made by MLflow's table migrations ({made}"
-                f"{', leftover tables ' + ', '.join(leftovers) if leftovers else ''}) and holds no runs: "
-                f"delete it (rm {db}) and rerun, which makes it anew")
+    half_made = _half_made(tables, revision, runs, experiments)
+    if half_made:  # the trainer makes it anew (`_check_sqlite`); the report has nothing to read in it
+        return (f"{named}: {db} was left half-made by MLflow's table migrations ({half_made}) and holds no runs: "
+                f"nothing to read (the next python -m trainer with tracking.uri=sqlite:///{db} makes it anew)")
     if not {"experiments", "runs", "alembic_version"} <= tables:
         listed = ", ".join(sorted(tables)[:5]) + (", ..." if len(tables) > 5 else "")
         return (f"{named}: {db} is another program's SQLite database (tables {listed}), not an MLflow store: "
