@@ -244,11 +244,19 @@ class Worker:
 
     def ask(self, side: str, overrides: List[str]) -> Dict[str, float]:
         """One run of `side` on `overrides`; its figures."""
+        self.send(side, overrides)
+        return self.answer(side, overrides)
+
+    def send(self, side: str, overrides: List[str]) -> None:
+        """Ask for one run of `side` on `overrides`, without waiting for it (`answer` reads it)."""
         try:
             self.proc.stdin.write(json.dumps({"side": side, "overrides": overrides}) + "\n")
             self.proc.stdin.flush()
         except BrokenPipeError:
-            pass  # it has ended: said below
+            pass  # it has ended: `answer` says so
+
+    def answer(self, side: str, overrides: List[str]) -> Dict[str, float]:
+        """The figures of the run `send` asked for."""
         for line in self.proc.stdout:
             if line.startswith(ANSWER):
                 got = json.loads(line[len(ANSWER):])
@@ -439,6 +447,13 @@ def _main_rounds(args, base: List[str], loaders: List[str], warmup: int, rows: L
     with tempfile.TemporaryDirectory(prefix="feedbench-overhead-") as tmp:
         workers = [Worker(f"worker{i}", Path(tmp)) for i in range(1 + len(references))]
         try:
+            # A first run in every worker at once, timed by nobody: a process's first steps on the GPU
+            # load kernels and libraries that later runs find loaded.
+            burn_in = [*base, *quiet, f"loader={loaders[0]}", f"engine.max_steps={warmup + 30}"]
+            for worker in workers:
+                worker.send(references[0], burn_in)
+            for worker in workers:
+                worker.answer(references[0], burn_in)
             for loader in loaders:
                 for graph in GRAPH[args.graph]:
                     print(f"loader={loader} engine.cuda_graph={graph}", flush=True)
