@@ -495,6 +495,42 @@ def test_a_sample_that_raises_is_named_in_one_line_with_the_step_it_stopped(stra
     assert r.data.metrics.get("total_steps") == (2 if failed_step else None)  # the two steps before it are kept
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_of_another_shape_is_named_in_one_line_with_the_step_it_stopped(workers, runs, tracking_uri):
+    """Sample 20 (the third batch of 8, unshuffled) is 5 x 5 where sample 0 is 4 x 4: the DataLoader
+    could not stack its batch; the run names the sample, not the collate's trace."""
+    with pytest.raises(RunFailed) as failed:
+        run(compose_config(*QUICK, *POINTS, "+dataset.ragged_at=20", "loader=baseline", "loader.shuffle=false",
+                           f"loader.num_workers={workers}", "engine.max_steps=5", f"tracking.uri={tracking_uri}"))
+    assert str(failed.value) == (f"dataset._target_={MODULE}.points: sample 20's x has shape [5, 5] but sample 0's "
+                                 f"has [4, 4], and a batch stacks its samples into one tensor: make every sample one "
+                                 f"shape (resize or pad it in __getitem__)")
+    (r,) = runs()
+    assert r.info.status == "FAILED" and r.data.tags["failed_step"] == "3" and r.data.metrics["total_steps"] == 2
+
+
+def test_a_first_sample_that_raises_is_one_line_and_a_failed_run(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *QUICK, *POINTS, "+dataset.broken_at=0", "loader=baseline")
+    (line,) = proc.stderr.strip().splitlines()
+    (r,) = all_runs(tracking_uri)
+    assert proc.returncode == 1 and line == (f"error: dataset._target_={MODULE}.points: sample 0 raised RuntimeError: "
+                                             f"disk on fire: fix that sample, or leave it out of the dataset (run "
+                                             f"{r.info.run_id} marked FAILED)")
+    assert r.info.status == "FAILED" and "failed_step" not in r.data.tags  # before its first step
+
+
+def test_a_folder_of_files_that_are_not_images_is_one_line(tmp_path, runs, tracking_uri):
+    for i in range(4):
+        (tmp_path / "images" / "cats").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "images" / "cats" / f"{i}.jpg").write_text("not a JPEG")
+    with pytest.raises(RunFailed, match=rf"^dataset=image_folder \(dataset.root={tmp_path / 'images'}\): sample 0 "
+                                        rf"\({tmp_path / 'images' / 'cats' / '0.jpg'}\) raised UnidentifiedImageError: "
+                                        r"cannot identify image file .*: replace or remove that file$"):
+        run(compose_config(*QUICK, "dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=8",
+                           "loader=baseline", "loader.batch_size=2", f"tracking.uri={tracking_uri}"))
+    assert runs()[0].info.status == "FAILED"
+
+
 def test_an_image_that_does_not_decode_is_named_in_one_line(tmp_path, tracking_uri):
     paths = write_images(tmp_path / "images")
     broken = paths[0].with_name("broken.jpg")
