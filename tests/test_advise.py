@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from clirun import stop_leftovers, wait_for_running
 from conftest import compose_config
 from trainer.errors import ConfigError
 from trainer.loop.engine import train
@@ -277,6 +279,49 @@ def test_a_config_the_run_refuses_is_one_line(tracking_uri, capsys):
     assert advisor.main(["--steps", "2", *TINY_NOOP, "loader.batch_size=1000", f"tracking.uri={tracking_uri}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: the run as configured failed: ") and "loader.batch_size" in err
+
+
+def _advise_cli(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.advise", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_overrides_stand_on_both_sides_of_an_option(tracking_uri, capsys):
+    assert advisor.main(["loader=pinned", "--steps", "2", *TINY_NOOP, "loader.batch_size=32",
+                         f"tracking.uri={tracking_uri}"]) == 0
+    (advice,) = [r for r in MlflowClient(tracking_uri).search_runs(_experiments(tracking_uri))
+                 if r.data.tags.get("advise") == "true"]
+    assert advice.data.tags["strategy"] == "pinned" and "loader.batch_size=32" in advice.data.tags["advise.overrides"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["engine.bogus=1"], r"error: engine.bogus: engine has no key bogus \(keys: loop, device, .*\)"),
+    (["loader=prefech"], r"error: loader=prefech: loader has no option prefech; did you mean prefetch\? \(options: .*\)"),
+    (["--stpes", "3"], r"error: unrecognized arguments: --stpes: see python -m trainer.advise --help"),
+])
+def test_a_bad_argument_is_one_line_as_python_m_trainer_says_it(tmp_path, tracking_uri, args, line):
+    proc = _advise_cli(tmp_path, *args, f"tracking.uri={tracking_uri}")
+    assert proc.returncode == 1 and re.fullmatch(line, proc.stderr.strip()), proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_advice_is_one_line_and_closes_its_runs_killed(tmp_path, tracking_uri, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.advise", "--steps", "100000", *TINY_NOOP, "model.busy_ms=20",
+                             "dataset.num_samples=100000", "dataset.shape=[4,4]", f"tracking.uri={tracking_uri}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        advice, rung = wait_for_running(tracking_uri, proc, count=2)  # the advice, then its first rung at its loop
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        stop_leftovers() if proc.poll() is not None else proc.kill()
+    assert proc.returncode == 128 + sig and out == "", err
+    assert err.splitlines()[-1] == (f"interrupted by {sig.name}: advice run {advice.info.run_id} marked KILLED, the "
+                                    f"rungs it measured are saved")
+    assert "Traceback" not in err and len(err.splitlines()) == 2  # the ladder's first line, then this one
+    client = MlflowClient(tracking_uri)
+    assert client.get_run(advice.info.run_id).info.status == client.get_run(rung.info.run_id).info.status == "KILLED"
 
 
 def simulated_gpu(cfg) -> dict:

@@ -25,19 +25,23 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from hydra import compose, initialize_config_dir
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
 from models import MODELS
+from trainer.config import CONF_DIR
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import LOADERS
 from trainer.loaders.base import LoaderConfig
@@ -495,8 +499,9 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         _record(client, parent_id, ladder, verdict, changes, text)
         status = RunStatus.to_string(RunStatus.FINISHED)
         return {"run_id": parent_id, "bound": verdict.bound, "changes": changes, "text": text, "ladder": ladder}
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         status = RunStatus.to_string(RunStatus.KILLED)
+        stop.advice_run_id = parent_id  # for the command's one line
         raise
     finally:
         client.set_terminated(parent_id, status)
@@ -519,22 +524,54 @@ def _gpu_name() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: bad input is one line and exit 1, a Ctrl-C or SIGTERM one line and exit
+    130 or 143 (the advice run and the rung then running closed as KILLED), as `python -m trainer`."""
+    from trainer.__main__ import _terminate, hydra_error_line  # the CLI's SIGTERM, and its line for a bad override
+
     p = argparse.ArgumentParser(prog="python -m trainer.advise", description=__doc__.splitlines()[0])
     p.add_argument("--verify", action="store_true", help="run each recommended change and print its measured ms/step")
     p.add_argument("--steps", type=int, default=300, help="timed steps of each rung, after the job's warm-up (default 300)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m trainer")
-    args = p.parse_args(argv)
+    p.error = lambda message: _refuse(f"{message}: see python -m trainer.advise --help")
+    # Overrides on both sides of an option (`loader=pinned --steps 10 loader.batch_size=512`): plain
+    # parse_args takes the positionals once, and refuses those after the option.
+    args = p.parse_intermixed_args(argv)
     if args.steps < 1:
         print(f"error: --steps must be >= 1 (got {args.steps}): use --steps 300", file=sys.stderr)
         return 1
-    from trainer.tools.overhead import compose_config  # the config python -m trainer would run
-    cfg = compose_config(args.overrides)
+    before = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     try:
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose("config", overrides=list(args.overrides))  # the config python -m trainer would run
+        except Exception as e:
+            line = hydra_error_line(e, multirun=False)
+            if line is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            return 1
         result = advise(cfg, args.steps, args.verify, args.overrides)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        advice = getattr(stop, "advice_run_id", None)
+        closed = f": advice run {advice} marked KILLED, the rungs it measured are saved" if advice else ": nothing was recorded"
+        print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
     print(result["text"])
     print(f"(MLflow run {result['run_id']}: tag bound, the ladder as metrics, advice.md)")
     return 0
 
+
+def _refuse(line: str):
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
