@@ -437,3 +437,20 @@ def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, 
     assert f"best: job {best.data.tags['sweep.job']} (run {best.info.run_id}): throughput_samples_per_s=" in proc.stdout
     results = OmegaConf.load(tmp_path / "multirun" / "optimization_results.yaml")  # Optuna's own answer agrees
     assert results.best_value == pytest.approx(best.data.metrics["throughput_samples_per_s"])
+
+
+@pytest.mark.parametrize("override, line", [
+    ("engine.objective=speed", r"engine.objective must be one of .* \(got 'speed'\): set engine.objective=throughput_samples_per_s"),
+    ("loader.batch_size=1000", r"loader.batch_size must be <= 96, the samples in dataset=synthetic \(got 1000\): set "
+                               r"loader.batch_size=64 or dataset.num_samples>=1000"),
+])
+def test_a_config_error_every_trial_would_hit_is_refused_once_before_the_study(tmp_path, tracking_uri, override, line):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = subprocess.run([sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=3",
+                           *TINY_NOOP, "engine.max_steps=4", override, f"tracking.uri={tracking_uri}",
+                           f"hydra.sweep.dir={tmp_path / 'multirun'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.fullmatch(rf"error: {line} \(the study ran no trial: every trial of this sweep would stop on it\)\n",
+                        proc.stderr), proc.stderr[-3000:]
+    assert MlflowClient(tracking_uri).search_runs(_experiments(tracking_uri)) == []  # no trial, no empty sweep
