@@ -29,6 +29,7 @@ from trainer.errors import ConfigError
 from trainer.loaders import build_loader
 from trainer.loop.distributed import Ranks
 from trainer.loop.engine import planned_steps
+from trainer.loop.clock import host_load
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.meter import StepMeter
 from trainer.loop.steps import build_optimizer
@@ -243,7 +244,7 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
               f"steps.csv holds the host's columns only", file=sys.stderr)
     tracker.log_steps(result.rows)
     summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20,
-                   **_step_counts(parts.step), **_peak_gpu_memory(parts))
+                   **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load())
     verified = parts.checksum.result() if parts.checksum is not None and error is None else None
     try:
         if error is None:  # after a failure: save, don't probe, and no collective with the other ranks
