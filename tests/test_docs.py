@@ -135,7 +135,9 @@ def parse_only(main, prog: str, argv: List[str]) -> argparse.Namespace:
     def parse(self, args=None, namespace=None):
         raise Parsed(real(self, args, namespace))
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse), mock.patch.object(sys, "argv", [prog, *argv]):
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse), \
+            mock.patch.object(argparse.ArgumentParser, "parse_intermixed_args", parse), \
+            mock.patch.object(sys, "argv", [prog, *argv]):
         try:
             main(argv) if inspect.signature(main).parameters else main()
         except Parsed as done:
