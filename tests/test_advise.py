@@ -220,6 +220,27 @@ def test_the_advice_cautions_when_the_model_misses_the_run():
     assert "caution" not in advisor.render(fits, judge(fits), [], "CPU")
 
 
+def test_rungs_that_contradict_each_other_give_no_verdict():
+    """The run measured 15.9 ms/step and its own step fed from the device 109 (the host slowed down
+    between them): "compute, within 18% of its step fed from the device" would contradict the
+    figures printed under it."""
+    odd = ladder(configured=15.9, ceiling_eager=109.0, feed=0.5, tolerance=0.18)
+    verdict = judge(odd)
+    assert verdict.bound == "none" and verdict.reason.startswith(
+        "no verdict: the run took 15.9 ms/step, less than its step fed from the device (109) alone, and a part cannot "
+        "take longer than the whole")
+    changes = recommend(odd, candidates(odd, verdict, OmegaConf.create({"num_workers": 0})))
+    text = advisor.render(odd, verdict, changes, "CPU")
+    assert changes == [] and text.splitlines()[0] == f"bound: none — {verdict.reason}"
+    assert "caution" not in text and "within" not in text
+    assert "changes: none predicted: rungs that contradict each other predict nothing" in text
+    assert judge(ladder(configured=10.0, ceiling_eager=1.0, feed=30.0)).bound == "none"  # a feed slower than the run
+    # A run a little under its ceiling (noise of a few steps): compute, said as it is.
+    near = judge(ladder(configured=0.95, ceiling_eager=1.0, feed=0.1))
+    assert near.bound == "compute" and near.reason == ("the run takes 0.95 ms/step, no slower than its step fed from "
+                                                       "the device (1)")
+
+
 # ----------------------------------------------------------------------------- the advisor, end to end
 def _advise(tracking_uri, *overrides, verify=False):
     cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}", *overrides)

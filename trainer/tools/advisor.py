@@ -49,7 +49,7 @@ from trainer.tools.tuning import DATALOADER_STRATEGIES, max_workers
 from trainer.tracking.journal import owner_tags
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, store_errors
 
-BOUNDS = ("input", "copy", "launch", "compute")
+BOUNDS = ("input", "copy", "launch", "compute", "none")  # none: the rungs contradict each other, no verdict
 IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: feed and step take turns
 MIN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.20  # "within a few percent": the ceiling's own jitter, kept in these bounds
 # The loader keys every strategy has: carried over when a rung or a change swaps the strategy.
@@ -149,6 +149,9 @@ def judge(ladder: Ladder) -> Verdict:
     t, eps = ladder.configured, ladder.tolerance
     c = ladder.ceiling
     feeding = t - c if math.isfinite(c) else math.nan
+    contradiction = _contradiction(ladder)
+    if contradiction:
+        return Verdict("none", contradiction, feeding, math.nan)
     launch = 0.0
     if not ladder.graphed and math.isfinite(ladder.ceiling_graphed) and math.isfinite(ladder.feed):
         graphed = predict(ladder.ceiling_graphed, ladder.feed, serial_share(ladder, ladder.strategy, True))
@@ -160,8 +163,9 @@ def judge(ladder: Ladder) -> Verdict:
         return Verdict("compute", f"the feed alone takes {ladder.feed:.3g} of {t:.3g} ms/step; the step's ceiling "
                        "could not be measured", math.nan, launch)
     if max(feeding, launch) <= eps * t:
-        return Verdict("compute", f"the run takes {t:.3g} ms/step, within {eps:.0%} of its step fed from the device "
-                       f"({c:.3g})", feeding, launch)
+        near = f"within {eps:.0%} of" if feeding >= 0 else "no slower than"  # (under it by less than noise: `_contradiction`)
+        return Verdict("compute", f"the run takes {t:.3g} ms/step, {near} its step fed from the device ({c:.3g})",
+                       feeding, launch)
     if launch > feeding:
         return Verdict("launch", f"the eager step takes {ladder.ceiling_eager:.3g} ms fed from the device, its CUDA "
                        f"graph {ladder.ceiling_graphed:.3g}: launching costs the run {launch:.3g} ms/step",
@@ -171,6 +175,24 @@ def judge(ladder: Ladder) -> Verdict:
             else f"the host feeds a batch in {ladder.feed:.3g} ms alone")
     return Verdict(bound, f"feeding costs {feeding:.3g} of {t:.3g} ms/step (the step fed from the device: {c:.3g}); "
                    f"{part}", feeding, launch)
+
+
+def _contradiction(ladder: Ladder) -> str:
+    """Why no verdict can be given ("" when one can): the run measured faster than a part of itself
+    measured alone (its step fed from the device, or its feed with no model), by more than the
+    rungs' noise can explain (the tolerance, and at least `MAX_TOLERANCE`: a run of a few steps on
+    a shared machine may come out a few percent under its ceiling). A part cannot take longer than
+    the whole, so the rungs ran at different speeds of the host (a shared or throttled machine),
+    and any verdict drawn from them would contradict their own figures."""
+    t, margin = ladder.configured, max(ladder.tolerance, MAX_TOLERANCE)
+    parts = [(f"its step fed from the device ({ladder.ceiling:.3g})", ladder.ceiling),
+             (f"its feed with no model ({ladder.feed:.3g})", ladder.feed)]
+    slower = [name for name, ms in parts if math.isfinite(ms) and math.isfinite(t) and t < (1 - margin) * ms]
+    if not slower:
+        return ""
+    return (f"no verdict: the run took {t:.3g} ms/step, less than {' and '.join(slower)} alone, and a part cannot "
+            f"take longer than the whole: the host's speed changed between the rungs (other programs on a shared "
+            f"machine, or throttling); run again on a quiet machine")
 
 
 def _feed_bound(ladder: Ladder, feeding: float) -> str:
@@ -205,6 +227,8 @@ def candidates(ladder: Ladder, verdict: Verdict, loader_cfg) -> List[Candidate]:
     """The changes worth predicting for this verdict, in no order."""
     eps, t = ladder.tolerance, ladder.configured
     found = []
+    if verdict.bound == "none":  # rungs that contradict each other predict nothing
+        return found
     feeding_matters = math.isfinite(verdict.feeding_costs_ms) and verdict.feeding_costs_ms > eps * t
     if feeding_matters and ladder.strategy != "gpu_resident" and math.isfinite(ladder.ceiling):
         found.append(Candidate(["loader=gpu_resident"], "the dataset on the device: the step's own ceiling",
@@ -419,7 +443,7 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
     lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}")
     miss = model_miss(ladder)
-    if abs(miss) > ladder.tolerance:
+    if abs(miss) > ladder.tolerance and verdict.bound != "none":  # (no verdict: its line says why)
         lines.append(f"  caution: the run measured {miss:+.0%} against the model, more than the tolerance: the rungs "
                      "do not explain it (the host's speed may have changed between them: run again on a quiet "
                      "machine), so take the verdict and the predictions as leads")
@@ -434,6 +458,8 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
     else:
         lines.append("changes: none predicted to save more than the tolerance: the step itself sets the pace "
                      "(a faster model or a larger batch would)" if verdict.bound == "compute"
+                     else "changes: none predicted: rungs that contradict each other predict nothing"
+                     if verdict.bound == "none"
                      else "changes: none of those the ladder can predict would save more than the tolerance")
     if ladder.missing:
         lines += ["", "not measured: " + "; ".join(f"{k} ({v})" for k, v in ladder.missing.items())]
