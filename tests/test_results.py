@@ -319,6 +319,22 @@ def test_the_report_shows_the_latest_run_or_sweep_and_a_run_as_a_run(tiny_cfg, t
     assert capsys.readouterr().out.startswith(f"sweep 'sweep' ({parent.info.run_id}, ")
 
 
+GPU_FIGURES = ("compute_stream_span_fraction", "h2d_GBps", "h2d_beside_step_fraction", "median_h2d_ms", "peak_gpu_mem_mb")
+
+
+def test_a_cpu_run_records_no_gpu_figure_as_a_number(tiny_cfg, tracking_uri, capsys):
+    """No copy to a device and no compute stream on a CPU: their figures are nan, in the summary,
+    in MLflow and in the report, never a 0 that reads as measured."""
+    summary = run(tiny_cfg("engine.quiet=true"))
+    (recorded,) = all_runs(tracking_uri)
+    for key in GPU_FIGURES:
+        assert math.isnan(summary[key]) and math.isnan(recorded.data.metrics[key]), key
+    assert report.main(["--uri", tracking_uri, "--run", recorded.info.run_id]) == 0
+    listed = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert all(listed.get(key, []) == [] for key in GPU_FIGURES), {k: listed.get(k) for k in GPU_FIGURES}
+    assert listed["ms_per_step"] != []  # the host's figures are there
+
+
 # ----------------------------------------------------------------------------- the sweep and the profiler
 def test_a_missing_dataset_fails_the_sweep_once_before_any_run(tmp_path, tracking_uri):
     proc = run_cli(tmp_path, tracking_uri, "-m", "dataset=mnist", f"dataset.root={tmp_path / 'none'}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from trainer.loop.clock import host_load
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.meter import StepMeter
 from trainer.loop.steps import build_optimizer
+from trainer.loop.summary import GPU_FIGURES
 from trainer.loop.verify import Checksum
 from trainer.memory import check_model_fits
 from trainer.loop.environment import describe
@@ -245,6 +247,8 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
     tracker.log_steps(result.rows)
     summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20,
                    **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load())
+    if parts.device.type != "cuda":  # no copy to a device, no compute stream: not 0, not measured
+        summary.update({k: math.nan for k in GPU_FIGURES if k in summary})
     verified = parts.checksum.result() if parts.checksum is not None and error is None else None
     try:
         if error is None:  # after a failure: save, don't probe, and no collective with the other ranks
@@ -300,7 +304,7 @@ def gpu_memory_baseline(device: torch.device) -> int:
 def _peak_gpu_memory(parts: Parts) -> dict:
     """This run's peak GPU memory (the allocator's statistics: no device work)."""
     if parts.device.type != "cuda":
-        return {"peak_gpu_mem_mb": 0.0}
+        return {"peak_gpu_mem_mb": math.nan}  # no GPU: not measured, not 0
     try:
         return {"peak_gpu_mem_mb": (torch.cuda.max_memory_allocated(parts.device) - parts.mem_base) / 2**20}
     except Exception:  # a broken device: the figure is missing, the rest is saved
