@@ -464,6 +464,7 @@ def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, 
     ("engine.objective=speed", r"engine.objective must be one of .* \(got 'speed'\): set engine.objective=throughput_samples_per_s"),
     ("loader.batch_size=1000", r"loader.batch_size must be <= 96, the samples in dataset=synthetic \(got 1000\): set "
                                r"loader.batch_size=64 or dataset.num_samples>=1000"),
+    ("engine.precision=fp16", r"engine.precision=fp16 needs a GPU: .*: set engine.precision=bf16 .*"),  # (engine.device=cpu)
 ])
 def test_a_config_error_every_trial_would_hit_is_refused_once_before_the_study(tmp_path, tracking_uri, override, line):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")

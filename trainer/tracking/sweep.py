@@ -35,6 +35,7 @@ from datasets import DATASETS, build_dataset
 from trainer.tracking.journal import owner_tags
 from trainer.errors import EXIT_FAILED, ConfigError
 from trainer.loop import distributed, faults
+from trainer.loop.run import check_precision, select_device
 from trainer.tracking import plots, report
 from trainer.tracking.runs import child_identity, job_value
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten, store_errors
@@ -139,11 +140,12 @@ def check_trials(config: DictConfig) -> None:
 
 
 def refusal(cfg: DictConfig, datasets: dict) -> Optional[ConfigError]:
-    """The ConfigError `run` would raise for `cfg` before its first step (its values, its batch
-    against its dataset), or None. `datasets`: those built so far, by section, built once each."""
+    """The ConfigError `run` would raise for `cfg` before its first step (its values, its device
+    and precision, its batch against its dataset), or None. `datasets`: those built so far, by section, built once each."""
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # a job's warnings are the job's to print
             job = validate(cfg)
+            check_precision(job.engine.precision, select_device(job.engine.device))
             key = OmegaConf.to_yaml(cfg.dataset, resolve=True)
             if key not in datasets:
                 datasets[key] = build_dataset(job.dataset)
