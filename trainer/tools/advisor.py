@@ -41,6 +41,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
 from models import MODELS
+from trainer.__main__ import _terminate, hydra_error_line  # the CLI's SIGTERM, and its one line for a bad override
 from trainer.config import CONF_DIR
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import LOADERS
@@ -552,8 +553,6 @@ def _gpu_name() -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: bad input is one line and exit 1, a Ctrl-C or SIGTERM one line and exit
     130 or 143 (the advice run and the rung then running closed as KILLED), as `python -m trainer`."""
-    from trainer.__main__ import _terminate, hydra_error_line  # the CLI's SIGTERM, and its line for a bad override
-
     p = argparse.ArgumentParser(prog="python -m trainer.advise", description=__doc__.splitlines()[0])
     p.add_argument("--verify", action="store_true", help="run each recommended change and print its measured ms/step")
     p.add_argument("--steps", type=int, default=300, help="timed steps of each rung, after the job's warm-up (default 300)")
