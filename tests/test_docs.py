@@ -245,8 +245,8 @@ def test_the_readme_says_how_long_the_tests_take():
 def test_every_mlflow_ui_command_listens_on_localhost_only():
     """The UI can change and delete runs: every `mlflow ui` a page shows, in a block or inline, keeps it local."""
     for page in PAGES:
-        for command in re.findall(r"mlflow ui [^`\n]*", page.read_text()):
-            assert "--host 127.0.0.1" in command, (page.name, command)
+        for ui in re.findall(r"mlflow ui [^`\n]*", page.read_text()):
+            assert "--host 127.0.0.1" in ui, (page.name, ui)
 
 
 def test_the_readme_fits_and_every_link_and_anchor_resolves():

@@ -141,7 +141,8 @@ def check_trials(config: DictConfig) -> None:
 
 def refusal(cfg: DictConfig, datasets: dict) -> Optional[ConfigError]:
     """The ConfigError `run` would raise for `cfg` before its first step (its values, its device
-    and precision, its batch against its dataset), or None. `datasets`: those built so far, by section, built once each."""
+    and precision, its batch against its dataset), or None. `datasets`: those built so far, by
+    section: each is built once."""
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # a job's warnings are the job's to print
             job = validate(cfg)
@@ -152,6 +153,8 @@ def refusal(cfg: DictConfig, datasets: dict) -> Optional[ConfigError]:
             check_against_dataset(job, datasets[key])
     except ConfigError as e:
         return e
+    except Exception:  # not the config (the dataset's own code failed, say): the trials report that themselves
+        return None
     return None
 
 
