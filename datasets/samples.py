@@ -40,7 +40,7 @@ class SampleDataset(FeedDataset):
         self.length = len(samples)
         if self.length < 1:
             raise ConfigError(f"{what} has no samples: give it at least one (and at least loader.batch_size)")
-        self.first = split(samples[0], 0, what)
+        self.first = split(self.samples[0], 0, what)  # guarded: a sample 0 that raises is named, not traced
         x, y = self.first
         self.has_labels = y is not None
         self.sample_shape, self.storage_dtype = tuple(x.shape), x.dtype
@@ -52,7 +52,7 @@ class SampleDataset(FeedDataset):
 
     # -- per-sample path -----------------------------------------------------------------------
     def per_sample(self) -> torch.utils.data.Dataset:
-        return self.samples if self.has_labels else _Labelled(self.samples)
+        return _Batchable(self.samples, self.sample_shape, self.has_labels, self.what)
 
     @property
     def per_sample_bytes(self) -> int:
@@ -200,6 +200,8 @@ class Guarded(torch.utils.data.Dataset):
 
 def _file_of(samples, i: int) -> str:
     """` (path)` of sample `i` when the dataset keeps a file per sample (ImageFolder's `samples`)."""
+    if isinstance(samples, Guarded):
+        samples = samples.samples
     while isinstance(samples, torch.utils.data.Subset):
         samples, i = samples.dataset, samples.indices[i]
     files = getattr(samples, "samples", None)
@@ -222,15 +224,24 @@ class _Indexed(torch.utils.data.Dataset):
         return i, self.samples[i]
 
 
-class _Labelled(torch.utils.data.Dataset):
-    """Samples without a label as `(x, 0)`: the loop takes `(x, y)` batches."""
+class _Batchable(torch.utils.data.Dataset):
+    """The samples as the DataLoader strategies take them: `(x, y)`, a sample without a label as
+    `(x, 0)`, and every x shaped as sample 0's. The DataLoader's collate stacks a batch's samples:
+    one of another shape would fail there, in a trace through its code that names no sample, so
+    the sample is named here instead (a `SampleError`). A shape read per sample: no copy, no sync."""
 
-    def __init__(self, samples):
-        self.samples = samples
+    def __init__(self, samples, shape, labelled: bool, what: str):
+        self.samples, self.shape, self.labelled, self.what = samples, tuple(shape), labelled, what
 
     def __len__(self) -> int:
         return len(self.samples)
 
     def __getitem__(self, i: int):
         sample = self.samples[i]
-        return sample[0] if isinstance(sample, (tuple, list)) else sample, 0
+        x = sample[0] if isinstance(sample, (tuple, list)) else sample
+        shape = tuple(getattr(x, "shape", ()))
+        if shape != self.shape:
+            raise SampleError(f"{self.what}: sample {i}{_file_of(self.samples, i)}'s x has shape {list(shape)} but "
+                              f"sample 0's has {list(self.shape)}, and a batch stacks its samples into one tensor: "
+                              f"make every sample one shape (resize or pad it in __getitem__)")
+        return sample if self.labelled else (x, 0)

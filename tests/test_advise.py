@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
+from clirun import stop_leftovers, wait_for_running
 from conftest import compose_config
 from trainer.errors import ConfigError
 from trainer.loop.engine import train
@@ -218,6 +220,27 @@ def test_the_advice_cautions_when_the_model_misses_the_run():
     assert "caution" not in advisor.render(fits, judge(fits), [], "CPU")
 
 
+def test_rungs_that_contradict_each_other_give_no_verdict():
+    """The run measured 15.9 ms/step and its own step fed from the device 109 (the host slowed down
+    between them): "compute, within 18% of its step fed from the device" would contradict the
+    figures printed under it."""
+    odd = ladder(configured=15.9, ceiling_eager=109.0, feed=0.5, tolerance=0.18)
+    verdict = judge(odd)
+    assert verdict.bound == "none" and verdict.reason.startswith(
+        "no verdict: the run took 15.9 ms/step, less than its step fed from the device (109) alone, and a part cannot "
+        "take longer than the whole")
+    changes = recommend(odd, candidates(odd, verdict, OmegaConf.create({"num_workers": 0})))
+    text = advisor.render(odd, verdict, changes, "CPU")
+    assert changes == [] and text.splitlines()[0] == f"bound: none — {verdict.reason}"
+    assert "caution" not in text and "within" not in text
+    assert "changes: none predicted: rungs that contradict each other predict nothing" in text
+    assert judge(ladder(configured=10.0, ceiling_eager=1.0, feed=30.0)).bound == "none"  # a feed slower than the run
+    # A run a little under its ceiling (noise of a few steps): compute, said as it is.
+    near = judge(ladder(configured=0.95, ceiling_eager=1.0, feed=0.1))
+    assert near.bound == "compute" and near.reason == ("the run takes 0.95 ms/step, no slower than its step fed from "
+                                                       "the device (1)")
+
+
 # ----------------------------------------------------------------------------- the advisor, end to end
 def _advise(tracking_uri, *overrides, verify=False):
     cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}", *overrides)
@@ -277,6 +300,49 @@ def test_a_config_the_run_refuses_is_one_line(tracking_uri, capsys):
     assert advisor.main(["--steps", "2", *TINY_NOOP, "loader.batch_size=1000", f"tracking.uri={tracking_uri}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("error: the run as configured failed: ") and "loader.batch_size" in err
+
+
+def _advise_cli(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainer.advise", *args], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_overrides_stand_on_both_sides_of_an_option(tracking_uri, capsys):
+    assert advisor.main(["loader=pinned", "--steps", "2", *TINY_NOOP, "loader.batch_size=32",
+                         f"tracking.uri={tracking_uri}"]) == 0
+    (advice,) = [r for r in MlflowClient(tracking_uri).search_runs(_experiments(tracking_uri))
+                 if r.data.tags.get("advise") == "true"]
+    assert advice.data.tags["strategy"] == "pinned" and "loader.batch_size=32" in advice.data.tags["advise.overrides"]
+
+
+@pytest.mark.parametrize("args, line", [
+    (["engine.bogus=1"], r"error: engine.bogus: engine has no key bogus \(keys: loop, device, .*\)"),
+    (["loader=prefech"], r"error: loader=prefech: loader has no option prefech; did you mean prefetch\? \(options: .*\)"),
+    (["--stpes", "3"], r"error: unrecognized arguments: --stpes: see python -m trainer.advise --help"),
+])
+def test_a_bad_argument_is_one_line_as_python_m_trainer_says_it(tmp_path, tracking_uri, args, line):
+    proc = _advise_cli(tmp_path, *args, f"tracking.uri={tracking_uri}")
+    assert proc.returncode == 1 and re.fullmatch(line, proc.stderr.strip()), proc.stderr
+    assert proc.stdout == ""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_advice_is_one_line_and_closes_its_runs_killed(tmp_path, tracking_uri, sig):
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.advise", "--steps", "100000", *TINY_NOOP, "model.busy_ms=20",
+                             "dataset.num_samples=100000", "dataset.shape=[4,4]", f"tracking.uri={tracking_uri}"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        advice, rung = wait_for_running(tracking_uri, proc, count=2)  # the advice, then its first rung at its loop
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        stop_leftovers() if proc.poll() is not None else proc.kill()
+    assert proc.returncode == 128 + sig and out == "", err
+    assert err.splitlines()[-1] == (f"interrupted by {sig.name}: advice run {advice.info.run_id} marked KILLED, the "
+                                    f"rungs it measured are saved")
+    assert "Traceback" not in err and len(err.splitlines()) == 2  # the ladder's first line, then this one
+    client = MlflowClient(tracking_uri)
+    assert client.get_run(advice.info.run_id).info.status == client.get_run(rung.info.run_id).info.status == "KILLED"
 
 
 def simulated_gpu(cfg) -> dict:
@@ -392,3 +458,21 @@ def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, 
     assert f"best: job {best.data.tags['sweep.job']} (run {best.info.run_id}): throughput_samples_per_s=" in proc.stdout
     results = OmegaConf.load(tmp_path / "multirun" / "optimization_results.yaml")  # Optuna's own answer agrees
     assert results.best_value == pytest.approx(best.data.metrics["throughput_samples_per_s"])
+
+
+@pytest.mark.parametrize("override, line", [
+    ("engine.objective=speed", r"engine.objective must be one of .* \(got 'speed'\): set engine.objective=throughput_samples_per_s"),
+    ("loader.batch_size=1000", r"loader.batch_size must be <= 96, the samples in dataset=synthetic \(got 1000\): set "
+                               r"loader.batch_size=64 or dataset.num_samples>=1000"),
+    ("engine.precision=fp16", r"engine.precision=fp16 needs a GPU: .*: set engine.precision=bf16 .*"),  # (engine.device=cpu)
+])
+def test_a_config_error_every_trial_would_hit_is_refused_once_before_the_study(tmp_path, tracking_uri, override, line):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    proc = subprocess.run([sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=3",
+                           *TINY_NOOP, "engine.max_steps=4", override, f"tracking.uri={tracking_uri}",
+                           f"hydra.sweep.dir={tmp_path / 'multirun'}"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert re.fullmatch(rf"error: {line} \(the study ran no trial: every trial of this sweep would stop on it\)\n",
+                        proc.stderr), proc.stderr[-3000:]
+    assert MlflowClient(tracking_uri).search_runs(_experiments(tracking_uri)) == []  # no trial, no empty sweep

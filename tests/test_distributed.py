@@ -4,6 +4,7 @@ CPU) with its faults, and the comparison's mark for jobs timed at the same time 
 from __future__ import annotations
 
 import ast
+import math
 import os
 import signal
 import subprocess
@@ -368,7 +369,8 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     m = done.data.metrics
     assert m["total_samples"] == 202 and m["total_steps"] == 6
     assert {f"rank{r}/{k}" for r in (0, 1) for k in ("data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction")} <= set(m)
-    assert m["aggregate_h2d_GBps"] == m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
+    added = m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
+    assert m["aggregate_h2d_GBps"] == added or math.isnan(m["aggregate_h2d_GBps"]) and math.isnan(added)  # nan on CPUs
     assert len(steps_csv(tracking_uri, done.info.run_id)) == 6
     assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}
 

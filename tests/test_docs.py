@@ -135,7 +135,9 @@ def parse_only(main, prog: str, argv: List[str]) -> argparse.Namespace:
     def parse(self, args=None, namespace=None):
         raise Parsed(real(self, args, namespace))
 
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse), mock.patch.object(sys, "argv", [prog, *argv]):
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", parse), \
+            mock.patch.object(argparse.ArgumentParser, "parse_intermixed_args", parse), \
+            mock.patch.object(sys, "argv", [prog, *argv]):
         try:
             main(argv) if inspect.signature(main).parameters else main()
         except Parsed as done:
@@ -233,6 +235,18 @@ def test_the_readme_test_command_is_the_second_bash_block_ci_runs():
     ci = (PROJECT_ROOT / ".ci" / "run").read_text()
     assert "awk '/^```bash$/{n++; next} /^```$/{next} n==2 && !done {print; done=1}' README.md" in ci
     assert "chromium" in bash[1].page.read_text().split("```bash", 3)[2]  # the README says the UI test needs it
+
+
+def test_the_readme_says_how_long_the_tests_take():
+    after = (PROJECT_ROOT / "README.md").read_text().split("python -m pip install -e '.[test,lightning]' && python -m pytest")[1]
+    assert re.search(r"take about \d+\s+minutes on a 2-core CPU machine", after.split("\n\n")[1])  # the paragraph after it
+
+
+def test_every_mlflow_ui_command_listens_on_localhost_only():
+    """The UI can change and delete runs: every `mlflow ui` a page shows, in a block or inline, keeps it local."""
+    for page in PAGES:
+        for ui in re.findall(r"mlflow ui [^`\n]*", page.read_text()):
+            assert "--host 127.0.0.1" in ui, (page.name, ui)
 
 
 def test_the_readme_fits_and_every_link_and_anchor_resolves():
@@ -357,15 +371,19 @@ def test_a_preset_line_is_its_first_sentence_whole_never_cut_mid_parenthesis(tmp
     assert first_sentence("A (b. c) d. E.") == "A (b. c) d."
 
 
-def test_the_own_loop_snippet_runs_as_written():
+def test_the_own_loop_snippet_runs_as_written_and_says_what_it_did(capsys):
     """The README's snippet, exactly as printed (docs/own_loop.md shows the same text), on this machine's
-    device: the CPU here, the GPU where there is one."""
+    device: the CPU here, the GPU where there is one. It prints a line per epoch."""
     snippet = readme_block("A strategy in your own loop", "python")
     assert snippet in (PROJECT_ROOT / "docs" / "own_loop.md").read_text()
     namespace: Dict[str, object] = {"__name__": "readme"}
     exec(compile(snippet, "README.md", "exec"), namespace)
     import torch
     assert namespace["device"].type == ("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert re.fullmatch(rf"epoch 0: 8 batches of \[64, 256, 256\] on {device}, last loss \d+\.\d{{3}}\n"
+                        rf"epoch 1: 8 batches of \[64, 256, 256\] on {device}, last loss \d+\.\d{{3}}\n",
+                        capsys.readouterr().out)
     assert torch.isfinite(namespace["loss"]) and namespace["loader"].cfg.name == "prefetch"
     assert namespace["cfg"].loader.depth == 1  # the typed section of the chosen strategy
 

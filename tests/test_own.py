@@ -359,12 +359,18 @@ def test_the_plain_loop_reference_runs_the_engines_step_in_the_runs_precision(mo
         plain_loop.measure(compose_config(*cfg), step="hand")
 
 
-def test_the_lightning_loop_refuses_fp16_on_the_cpu_where_lightning_would_run_bf16(tracking_uri):
-    pytest.importorskip("lightning")
-    with pytest.raises(ConfigError, match=r"^engine.loop=lightning runs engine.precision=fp16 only on a GPU: set "
-                                          r"engine.precision=bf16, or engine.loop=feedbench$"):
-        run(compose_config(*QUICK, "engine.loop=lightning", "engine.precision=fp16", "dataset.num_samples=32",
+@pytest.mark.parametrize("loop", ["feedbench", "lightning"])
+def test_fp16_is_refused_on_the_cpu_where_it_runs_many_times_slower(tracking_uri, runs, loop):
+    """On the CPU PyTorch has no fast float16 kernels (a step ~8x slower than fp32), and Lightning
+    would run bf16 in its place: either loop refuses it before the run, naming the fix."""
+    if loop == "lightning":
+        pytest.importorskip("lightning")
+    with pytest.raises(ConfigError, match=r"^engine.precision=fp16 needs a GPU: on the CPU .* several times slower than "
+                                          r"in fp32.*: set engine.precision=bf16 \(mixed precision on a CPU\) or "
+                                          r"engine.precision=fp32$"):
+        run(compose_config(*QUICK, f"engine.loop={loop}", "engine.precision=fp16", "dataset.num_samples=32",
                            "dataset.shape=[4,4]", f"tracking.uri={tracking_uri}"))
+    assert runs() == []  # refused before a run was opened
 
 
 @gpu
@@ -493,6 +499,42 @@ def test_a_sample_that_raises_is_named_in_one_line_with_the_step_it_stopped(stra
     (r,) = runs()
     assert r.info.status == "FAILED" and r.data.tags.get("failed_step") == failed_step
     assert r.data.metrics.get("total_steps") == (2 if failed_step else None)  # the two steps before it are kept
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sample_of_another_shape_is_named_in_one_line_with_the_step_it_stopped(workers, runs, tracking_uri):
+    """Sample 20 (the third batch of 8, unshuffled) is 5 x 5 where sample 0 is 4 x 4: the DataLoader
+    could not stack its batch; the run names the sample, not the collate's trace."""
+    with pytest.raises(RunFailed) as failed:
+        run(compose_config(*QUICK, *POINTS, "+dataset.ragged_at=20", "loader=baseline", "loader.shuffle=false",
+                           f"loader.num_workers={workers}", "engine.max_steps=5", f"tracking.uri={tracking_uri}"))
+    assert str(failed.value) == (f"dataset._target_={MODULE}.points: sample 20's x has shape [5, 5] but sample 0's "
+                                 f"has [4, 4], and a batch stacks its samples into one tensor: make every sample one "
+                                 f"shape (resize or pad it in __getitem__)")
+    (r,) = runs()
+    assert r.info.status == "FAILED" and r.data.tags["failed_step"] == "3" and r.data.metrics["total_steps"] == 2
+
+
+def test_a_first_sample_that_raises_is_one_line_and_a_failed_run(tmp_path, tracking_uri):
+    proc = run_cli(tmp_path, tracking_uri, *QUICK, *POINTS, "+dataset.broken_at=0", "loader=baseline")
+    (line,) = proc.stderr.strip().splitlines()
+    (r,) = all_runs(tracking_uri)
+    assert proc.returncode == 1 and line == (f"error: dataset._target_={MODULE}.points: sample 0 raised RuntimeError: "
+                                             f"disk on fire: fix that sample, or leave it out of the dataset (run "
+                                             f"{r.info.run_id} marked FAILED)")
+    assert r.info.status == "FAILED" and "failed_step" not in r.data.tags  # before its first step
+
+
+def test_a_folder_of_files_that_are_not_images_is_one_line(tmp_path, runs, tracking_uri):
+    for i in range(4):
+        (tmp_path / "images" / "cats").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "images" / "cats" / f"{i}.jpg").write_text("not a JPEG")
+    with pytest.raises(RunFailed, match=rf"^dataset=image_folder \(dataset.root={tmp_path / 'images'}\): sample 0 "
+                                        rf"\({tmp_path / 'images' / 'cats' / '0.jpg'}\) raised UnidentifiedImageError: "
+                                        r"cannot identify image file .*: replace or remove that file$"):
+        run(compose_config(*QUICK, "dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=8",
+                           "loader=baseline", "loader.batch_size=2", f"tracking.uri={tracking_uri}"))
+    assert runs()[0].info.status == "FAILED"
 
 
 def test_an_image_that_does_not_decode_is_named_in_one_line(tmp_path, tracking_uri):

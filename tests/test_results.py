@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -41,16 +42,26 @@ def _interval(block_ms) -> tuple:
     return s["ms_per_step"], s["ms_per_step_ci_low"], s["ms_per_step_ci_high"]
 
 
-def test_the_interval_of_a_known_series_is_the_batch_means_one():
-    # 10 blocks of 10 steps, alternately 10 and 12 ms: the blocks' sample standard deviation is
-    # sqrt(10/9); Student's t for 9 degrees of freedom is 2.262; the interval is centred on 11 ms.
+def test_the_interval_of_a_known_series_is_the_batch_means_one_on_the_log_scale():
+    # 10 blocks of 10 steps, alternately 10 and 12 ms: the blocks' logs have the sample standard
+    # deviation sqrt(10/9) * ln(1.2) / 2; Student's t for 9 degrees of freedom is 2.262; the
+    # interval is centred on 11 ms on the log scale.
     ms, low, high = _interval([10.0, 12.0] * 5)
-    half = 2.262 * math.sqrt(10 / 9) / math.sqrt(10)
+    half = 2.262 * math.sqrt(10 / 9) * math.log(1.2) / 2 / math.sqrt(10)
     assert ms == pytest.approx(11.0)
-    assert (low, high) == (pytest.approx(11.0 - half), pytest.approx(11.0 + half))
+    assert (low, high) == (pytest.approx(11.0 * math.exp(-half)), pytest.approx(11.0 * math.exp(half)))
     assert _interval([11.0] * 10)[1:] == (pytest.approx(11.0), pytest.approx(11.0))  # steady: no width
     _, noisy_low, noisy_high = _interval([5.0, 17.0] * 5)  # the same mean, six times the spread
-    assert noisy_high - noisy_low == pytest.approx(6 * (high - low))
+    assert 0 < noisy_low < low and noisy_high > high
+
+
+def test_the_interval_of_a_run_with_a_stalled_block_stays_above_zero():
+    """Nine blocks of 10 ms/step and one of 2000 (a host that stalled the run): the plain interval
+    over the blocks would reach below zero (209 ± 450 ms); a time cannot be negative."""
+    ms, low, high = _interval([10.0] * 9 + [2000.0])
+    assert ms == pytest.approx(209.0)
+    assert 0 < low < ms < high
+    assert low * high == pytest.approx(ms ** 2)  # centred on ms_per_step, on the log scale
 
 
 def test_a_pause_between_steps_counts_in_its_block_and_one_step_has_no_interval():
@@ -59,7 +70,7 @@ def test_a_pause_between_steps_counts_in_its_block_and_one_step_has_no_interval(
         r["host_clock_s"] += 0.5  # half a second between steps 50 and 51 (a stall nobody timed as a step)
     s = summarise(rows, wall_s + 0.5)
     assert s["ms_per_step"] == pytest.approx(15.0)
-    assert s["ms_per_step_ci_high"] - s["ms_per_step_ci_low"] > 20  # one block took 60 ms/step
+    assert s["ms_per_step_ci_high"] > 20 and s["ms_per_step_ci_low"] < 15  # one block took 60 ms/step, nine 10
     one = summarise(rows[:1], 0.01)
     assert math.isnan(one["ms_per_step_ci_low"]) and math.isnan(one["ms_per_step_ci_high"])
 
@@ -77,14 +88,52 @@ def test_a_run_ends_with_its_summary_read_back_from_the_store(tiny_cfg, tracking
     assert text[0] == (f"run {rid} (FINISHED): loader=prefetch dataset=synthetic model=autoencoder on cpu, eager, "
                        f"feedbench loop")
     assert text[1].startswith("  degraded: no CUDA")
-    half = (m["ms_per_step_ci_high"] - m["ms_per_step_ci_low"]) / 2
-    assert text[2] == (f"  {number(m['ms_per_step'])} ms/step ±{number(half)} (95% interval, "
-                       f"{int(m['timed_steps'])} timed steps), {number(m['throughput_samples_per_s'])} samples/s")
+    assert text[2] == (f"  {number(m['ms_per_step'])} ms/step (95% interval {number(m['ms_per_step_ci_low'])} to "
+                       f"{number(m['ms_per_step_ci_high'])}, {int(m['timed_steps'])} timed steps), "
+                       f"{number(m['throughput_samples_per_s'])} samples/s")
     assert text[3].startswith("  bound by: ")
+    noise = text[4:5] if text[4].startswith("  noise: the host was busy") else []  # a shared machine may be
+    text = text[:4] + text[4 + len(noise):]
     assert text[4] == f"  report:  python -m trainer.report --run {rid} --uri {tracking_uri}"
     assert text[5] == f"  UI:      mlflow ui --backend-store-uri {tracking_uri} --host 127.0.0.1 --port 5000"
     assert text[6] == f"           then open http://127.0.0.1:5000/#/experiments/{exp}/runs?workflowType=machine_learning"
     assert len(text) == 7
+
+
+def test_a_run_records_the_hosts_load_and_its_own_cpu_against_its_wall_time(tiny_cfg, runs):
+    before = os.getloadavg()[0]
+    run(tiny_cfg("engine.quiet=true"))
+    after = os.getloadavg()[0]
+    m = runs()[0].data.metrics
+    cores = len(os.sched_getaffinity(0))
+    assert m["host_cores"] == cores
+    assert min(before, after) - 0.5 <= m["host_load_per_core"] * cores <= max(before, after) + 0.5  # read as the run ended
+    cpu_s = m["host_cpu_ms_per_step"] * m["timed_steps"] / 1e3
+    assert m["host_cpu_s_per_wall_s"] == pytest.approx(cpu_s / m["timed_wall_s"], rel=1e-6)
+
+
+@pytest.mark.parametrize("load, own, busy", [(3.4, 1.0, True), (1.9, 1.0, False), (2.1, 2.0, False)])
+def test_a_run_on_a_busy_host_says_its_figures_are_noise_and_why(tracking_uri, load, own, busy):
+    """A 2-core host: a load average of 3.4 while the run kept one core busy leaves 2.4 to other
+    programs; 1.9 leaves them 0.9, under half of the cores; 2.1 is nearly all the run's own."""
+    client = MlflowClient(tracking_uri)
+    rid = client.create_run(client.create_experiment("e"), tags={"device": "cpu"}).info.run_id
+    for k, v in {"timed_steps": 50.0, "ms_per_step": 20.0, "ms_per_step_ci_low": 15.0, "ms_per_step_ci_high": 27.0,
+                 "throughput_samples_per_s": 800.0, "data_wait_fraction": 0.1, "host_cores": 2.0,
+                 "host_load_per_core": load / 2, "host_cpu_s_per_wall_s": own}.items():
+        client.log_metric(rid, k, v)
+    client.set_terminated(rid, "FINISHED")
+    text = describe(client.get_run(rid), tracking_uri).splitlines()
+    assert text[1] == "  20 ms/step (95% interval 15 to 27, 50 timed steps), 800 samples/s"
+    noise = [line for line in text if line.startswith("  noise: ")]
+    if not busy:
+        assert noise == []
+        return
+    assert noise == [f"  noise: the host was busy: its 1-minute load average was {load:.1f} on the 2 cores this run "
+                     f"had, {load - own:.1f} of it other programs' (this process used {own:.2f} CPU-s per s), so the "
+                     f"steps waited for a core at random moments: these figures measure the other programs as much as "
+                     f"this run; run again on a quiet machine"]
+    assert text.index(noise[0]) == 3  # after what bounds it
 
 
 def test_quiet_runs_print_no_summary(tmp_path, tracking_uri):
@@ -263,11 +312,27 @@ def test_the_report_shows_the_latest_run_or_sweep_and_a_run_as_a_run(tiny_cfg, t
     shown = capsys.readouterr().out
     assert shown.splitlines()[0] == (f"run {rid} (FINISHED): loader=baseline dataset=synthetic model=autoencoder "
                                      "on cpu, eager, feedbench loop")
-    assert " ms/step ±" in shown.splitlines()[1] and f"python -m trainer.report --run {rid}" in shown
+    assert " ms/step (95% interval " in shown.splitlines()[1] and f"python -m trainer.report --run {rid}" in shown
     assert report.main(["--uri", tracking_uri, "--run", rid]) == 0 and capsys.readouterr().out == shown
     job = report.children(client, parent)[0].info.run_id  # a sweep's job still leads to its sweep
     assert report.main(["--uri", tracking_uri, "--run", job]) == 0
     assert capsys.readouterr().out.startswith(f"sweep 'sweep' ({parent.info.run_id}, ")
+
+
+GPU_FIGURES = ("compute_stream_span_fraction", "h2d_GBps", "h2d_beside_step_fraction", "peak_gpu_mem_mb")
+
+
+def test_a_cpu_run_records_no_gpu_figure_as_a_number(tiny_cfg, tracking_uri, capsys):
+    """No copy to a device and no compute stream on a CPU: their figures are nan, in the summary,
+    in MLflow and in the report, never a 0 that reads as measured."""
+    summary = run(tiny_cfg("engine.quiet=true"))
+    (recorded,) = all_runs(tracking_uri)
+    for key in GPU_FIGURES:
+        assert math.isnan(summary[key]) and math.isnan(recorded.data.metrics[key]), key
+    assert report.main(["--uri", tracking_uri, "--run", recorded.info.run_id]) == 0
+    listed = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("  ")}
+    assert all(listed.get(key, []) == [] for key in GPU_FIGURES), {k: listed.get(k) for k in GPU_FIGURES}
+    assert listed["ms_per_step"] != []  # the host's figures are there
 
 
 # ----------------------------------------------------------------------------- the sweep and the profiler

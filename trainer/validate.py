@@ -118,10 +118,15 @@ def _check_sections(job: Config) -> None:
                           f"dataset.num_classes={classes}): set dataset.num_classes=10, or use model=autoencoder or model=noop")
 
 
+def available_cores() -> int:
+    """The CPU cores this process may run on: its affinity, which a container or `taskset` narrows."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def warn_workers_beyond_cores(workers: int) -> None:
     """More DataLoader workers than CPU cores take turns on them: a run slows down many times
     over. Said in one line (PyTorch's own warning, which says the same, is silenced)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = available_cores()
     if workers > cores:
         print(f"warning: loader.num_workers={workers} but this machine gives the run {cores} CPU cores: the workers "
               f"take turns on them and the run slows down; set loader.num_workers={cores} or fewer", file=sys.stderr)

@@ -8,17 +8,32 @@ every process on the machine shares: the steps of several runs line up (`trainer
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from typing import Optional
 
 import numpy as np
 
+from trainer.validate import available_cores
+
 
 def host_usage() -> tuple:
     """(minor page faults, CPU seconds user+system) of this process so far."""
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_minflt, r.ru_utime + r.ru_stime
+
+
+def host_load() -> dict:
+    """The host's load as a run ends: `host_load_per_core`, the 1-minute load average (threads
+    running or waiting for a core, every program's, this one's included) over `host_cores`, the
+    cores this process may run on (its CPU affinity, which a container or `taskset` narrows)."""
+    cores = available_cores()
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # no load average on this system
+        return {"host_cores": float(cores)}
+    return {"host_load_per_core": load / cores, "host_cores": float(cores)}
 
 
 class HostClock:

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.launch import LAUNCH_TIME_ENV
+from trainer.validate import available_cores
 from trainer.loaders.order import Shard
 from trainer.loop.engine import planned_steps
 from trainer.loop.verify import combine_ranks
@@ -143,7 +144,7 @@ def set_threads(ranks_on_host: int) -> None:
     thread starves a rank that trains or collates on the CPU, so when torchrun chose it, each
     rank gets its share of the cores this host gives the job; a value you set is kept."""
     if "OMP_NUM_THREADS" not in _parent_environment():
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        cores = available_cores()
         torch.set_num_threads(max(1, cores // max(1, ranks_on_host)))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -29,9 +30,11 @@ from trainer.errors import ConfigError
 from trainer.loaders import build_loader
 from trainer.loop.distributed import Ranks
 from trainer.loop.engine import planned_steps
+from trainer.loop.clock import host_load
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.meter import StepMeter
 from trainer.loop.steps import build_optimizer
+from trainer.loop.summary import GPU_FIGURES
 from trainer.loop.verify import Checksum
 from trainer.memory import check_model_fits, limit_gpu_memory
 from trainer.loop.environment import describe
@@ -80,6 +83,16 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def check_precision(precision: str, device: torch.device) -> None:
+    """fp16 on the CPU is refused: PyTorch has no fast float16 kernels there, so autocast makes a step
+    many times slower than in fp32 (about 8-10x on a 2024 Xeon that has AVX512-FP16), and the run would
+    time the emulation, not any training that is done. bf16 is a CPU's mixed precision."""
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError("engine.precision=fp16 needs a GPU: on the CPU PyTorch has no fast float16 kernels and a step "
+                          "runs several times slower than in fp32, timing no training anyone runs: set "
+                          "engine.precision=bf16 (mixed precision on a CPU) or engine.precision=fp32")
+
+
 def loop_named(name: str):
     """The loop class registered under `engine.loop=name`."""
     module, cls = LOOPS[name].split(":")
@@ -94,6 +107,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None) ->
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
         job = validate(cfg)  # the typed sections each part is built from
         device = ranks.device(select_device(cfg.engine.device))  # this rank's GPU, current from here on
+        check_precision(job.engine.precision, device)
         if device.type == "cuda":  # every run sets it: 1.0 lifts what an earlier run in the process set
             limit_gpu_memory(cfg.engine.gpu_memory_fraction, device)
         ranks.validate(cfg)
@@ -237,7 +251,9 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
               f"steps.csv holds the host's columns only", file=sys.stderr)
     tracker.log_steps(result.rows)
     summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20,
-                   **_step_counts(parts.step), **_peak_gpu_memory(parts))
+                   **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load())
+    if parts.device.type != "cuda":  # no copy to a device, no compute stream: not 0, not measured
+        summary.update({k: math.nan for k in GPU_FIGURES if k in summary})
     verified = parts.checksum.result() if parts.checksum is not None and error is None else None
     try:
         if error is None:  # after a failure: save, don't probe, and no collective with the other ranks
@@ -293,7 +309,7 @@ def gpu_memory_baseline(device: torch.device) -> int:
 def _peak_gpu_memory(parts: Parts) -> dict:
     """This run's peak GPU memory (the allocator's statistics: no device work)."""
     if parts.device.type != "cuda":
-        return {"peak_gpu_mem_mb": 0.0}
+        return {"peak_gpu_mem_mb": math.nan}  # no GPU: not measured, not 0
     try:
         return {"peak_gpu_mem_mb": (torch.cuda.max_memory_allocated(parts.device) - parts.mem_base) / 2**20}
     except Exception:  # a broken device: the figure is missing, the rest is saved

@@ -25,19 +25,24 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from hydra import compose, initialize_config_dir
 from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
 from models import MODELS
+from trainer.__main__ import _terminate, hydra_error_line  # the CLI's SIGTERM, and its one line for a bad override
+from trainer.config import CONF_DIR
 from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import LOADERS
 from trainer.loaders.base import LoaderConfig
@@ -45,7 +50,7 @@ from trainer.tools.tuning import DATALOADER_STRATEGIES, max_workers
 from trainer.tracking.journal import owner_tags
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, store_errors
 
-BOUNDS = ("input", "copy", "launch", "compute")
+BOUNDS = ("input", "copy", "launch", "compute", "none")  # none: the rungs contradict each other, no verdict
 IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: feed and step take turns
 MIN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.20  # "within a few percent": the ceiling's own jitter, kept in these bounds
 # The loader keys every strategy has: carried over when a rung or a change swaps the strategy.
@@ -145,6 +150,9 @@ def judge(ladder: Ladder) -> Verdict:
     t, eps = ladder.configured, ladder.tolerance
     c = ladder.ceiling
     feeding = t - c if math.isfinite(c) else math.nan
+    contradiction = _contradiction(ladder)
+    if contradiction:
+        return Verdict("none", contradiction, feeding, math.nan)
     launch = 0.0
     if not ladder.graphed and math.isfinite(ladder.ceiling_graphed) and math.isfinite(ladder.feed):
         graphed = predict(ladder.ceiling_graphed, ladder.feed, serial_share(ladder, ladder.strategy, True))
@@ -156,8 +164,9 @@ def judge(ladder: Ladder) -> Verdict:
         return Verdict("compute", f"the feed alone takes {ladder.feed:.3g} of {t:.3g} ms/step; the step's ceiling "
                        "could not be measured", math.nan, launch)
     if max(feeding, launch) <= eps * t:
-        return Verdict("compute", f"the run takes {t:.3g} ms/step, within {eps:.0%} of its step fed from the device "
-                       f"({c:.3g})", feeding, launch)
+        near = f"within {eps:.0%} of" if feeding >= 0 else "no slower than"  # (under it by less than noise: `_contradiction`)
+        return Verdict("compute", f"the run takes {t:.3g} ms/step, {near} its step fed from the device ({c:.3g})",
+                       feeding, launch)
     if launch > feeding:
         return Verdict("launch", f"the eager step takes {ladder.ceiling_eager:.3g} ms fed from the device, its CUDA "
                        f"graph {ladder.ceiling_graphed:.3g}: launching costs the run {launch:.3g} ms/step",
@@ -167,6 +176,24 @@ def judge(ladder: Ladder) -> Verdict:
             else f"the host feeds a batch in {ladder.feed:.3g} ms alone")
     return Verdict(bound, f"feeding costs {feeding:.3g} of {t:.3g} ms/step (the step fed from the device: {c:.3g}); "
                    f"{part}", feeding, launch)
+
+
+def _contradiction(ladder: Ladder) -> str:
+    """Why no verdict can be given ("" when one can): the run measured faster than a part of itself
+    measured alone (its step fed from the device, or its feed with no model), by more than the
+    rungs' noise can explain (the tolerance, and at least `MAX_TOLERANCE`: a run of a few steps on
+    a shared machine may come out a few percent under its ceiling). A part cannot take longer than
+    the whole, so the rungs ran at different speeds of the host (a shared or throttled machine),
+    and any verdict drawn from them would contradict their own figures."""
+    t, margin = ladder.configured, max(ladder.tolerance, MAX_TOLERANCE)
+    parts = [(f"its step fed from the device ({ladder.ceiling:.3g})", ladder.ceiling),
+             (f"its feed with no model ({ladder.feed:.3g})", ladder.feed)]
+    slower = [name for name, ms in parts if math.isfinite(ms) and math.isfinite(t) and t < (1 - margin) * ms]
+    if not slower:
+        return ""
+    return (f"no verdict: the run took {t:.3g} ms/step, less than {' and '.join(slower)} alone, and a part cannot "
+            f"take longer than the whole: the host's speed changed between the rungs (other programs on a shared "
+            f"machine, or throttling); run again on a quiet machine")
 
 
 def _feed_bound(ladder: Ladder, feeding: float) -> str:
@@ -201,6 +228,8 @@ def candidates(ladder: Ladder, verdict: Verdict, loader_cfg) -> List[Candidate]:
     """The changes worth predicting for this verdict, in no order."""
     eps, t = ladder.tolerance, ladder.configured
     found = []
+    if verdict.bound == "none":  # rungs that contradict each other predict nothing
+        return found
     feeding_matters = math.isfinite(verdict.feeding_costs_ms) and verdict.feeding_costs_ms > eps * t
     if feeding_matters and ladder.strategy != "gpu_resident" and math.isfinite(ladder.ceiling):
         found.append(Candidate(["loader=gpu_resident"], "the dataset on the device: the step's own ceiling",
@@ -415,7 +444,7 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
     lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}")
     miss = model_miss(ladder)
-    if abs(miss) > ladder.tolerance:
+    if abs(miss) > ladder.tolerance and verdict.bound != "none":  # (no verdict: its line says why)
         lines.append(f"  caution: the run measured {miss:+.0%} against the model, more than the tolerance: the rungs "
                      "do not explain it (the host's speed may have changed between them: run again on a quiet "
                      "machine), so take the verdict and the predictions as leads")
@@ -430,6 +459,8 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
     else:
         lines.append("changes: none predicted to save more than the tolerance: the step itself sets the pace "
                      "(a faster model or a larger batch would)" if verdict.bound == "compute"
+                     else "changes: none predicted: rungs that contradict each other predict nothing"
+                     if verdict.bound == "none"
                      else "changes: none of those the ladder can predict would save more than the tolerance")
     if ladder.missing:
         lines += ["", "not measured: " + "; ".join(f"{k} ({v})" for k, v in ladder.missing.items())]
@@ -495,8 +526,9 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         _record(client, parent_id, ladder, verdict, changes, text)
         status = RunStatus.to_string(RunStatus.FINISHED)
         return {"run_id": parent_id, "bound": verdict.bound, "changes": changes, "text": text, "ladder": ladder}
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         status = RunStatus.to_string(RunStatus.KILLED)
+        stop.advice_run_id = parent_id  # for the command's one line
         raise
     finally:
         client.set_terminated(parent_id, status)
@@ -519,22 +551,52 @@ def _gpu_name() -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The command line: bad input is one line and exit 1, a Ctrl-C or SIGTERM one line and exit
+    130 or 143 (the advice run and the rung then running closed as KILLED), as `python -m trainer`."""
     p = argparse.ArgumentParser(prog="python -m trainer.advise", description=__doc__.splitlines()[0])
     p.add_argument("--verify", action="store_true", help="run each recommended change and print its measured ms/step")
     p.add_argument("--steps", type=int, default=300, help="timed steps of each rung, after the job's warm-up (default 300)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m trainer")
-    args = p.parse_args(argv)
+    p.error = lambda message: _refuse(f"{message}: see python -m trainer.advise --help")
+    # Overrides on both sides of an option (`loader=pinned --steps 10 loader.batch_size=512`): plain
+    # parse_args takes the positionals once, and refuses those after the option.
+    args = p.parse_intermixed_args(argv)
     if args.steps < 1:
         print(f"error: --steps must be >= 1 (got {args.steps}): use --steps 300", file=sys.stderr)
         return 1
-    from trainer.tools.overhead import compose_config  # the config python -m trainer would run
-    cfg = compose_config(args.overrides)
+    before = signal.signal(signal.SIGTERM, _terminate) if _main_thread() else None
     try:
+        try:
+            with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+                cfg = compose("config", overrides=list(args.overrides))  # the config python -m trainer would run
+        except Exception as e:
+            line = hydra_error_line(e, multirun=False)
+            if line is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            return 1
         result = advise(cfg, args.steps, args.verify, args.overrides)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as stop:
+        signum = getattr(stop, "signum", signal.SIGINT)
+        advice = getattr(stop, "advice_run_id", None)
+        closed = f": advice run {advice} marked KILLED, the rungs it measured are saved" if advice else ": nothing was recorded"
+        print(f"interrupted by {signal.Signals(signum).name}{closed}", file=sys.stderr)
+        return 128 + signum
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
     print(result["text"])
     print(f"(MLflow run {result['run_id']}: tag bound, the ladder as metrics, advice.md)")
     return 0
 
+
+def _refuse(line: str):
+    print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(1)
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()

@@ -2,7 +2,7 @@
 then what it measured before the interrupt), and by `python -m trainer.report --run ID`.
 
     run 3f2a… (FINISHED): loader=prefetch dataset=synthetic model=autoencoder on cuda, eager, feedbench loop
-      12.35 ms/step ±0.24 (95% interval, 190 timed steps), 5184 samples/s
+      12.35 ms/step (95% interval 12.11 to 12.59, 190 timed steps), 5184 samples/s
       bound by: the data: the loop waited for its next batch 62% of the timed time
       report:  python -m trainer.report --run 3f2a…
       UI:      mlflow ui --backend-store-uri sqlite:///…/outputs/mlflow.db --host 127.0.0.1 --port 5000
@@ -71,6 +71,9 @@ def describe(run: Run, uri: str) -> str:
     if m.get("timed_steps", 0) > 0:
         lines.append(f"  {figures(m)}")
         lines.append(f"  bound by: {bound_by(m, device)}")
+        busy = busy_host(m)
+        if busy:
+            lines.append(f"  noise: {busy}")
     else:
         lines.append(f"  no timed steps: {untimed(run)}")
     lines += commands(run, uri)
@@ -92,14 +95,38 @@ def untimed(run: Run) -> str:
 
 
 def figures(m: Dict[str, float]) -> str:
-    """`12.35 ms/step ±0.24 (95% interval, 190 timed steps), 5184 samples/s`."""
+    """`12.35 ms/step (95% interval 12.11 to 12.59, 190 timed steps), 5184 samples/s`: the interval's
+    bounds, as it is not symmetric (`trainer.loop.summary.step_interval`)."""
     ms, low, high = m.get("ms_per_step", math.nan), m.get("ms_per_step_ci_low"), m.get("ms_per_step_ci_high")
     steps = int(m.get("timed_steps", 0))
     if low is None or high is None or math.isnan(low) or math.isnan(high):
         spread = f" (no interval: {steps} timed steps)"
     else:
-        spread = f" ±{number((high - low) / 2)} (95% interval, {steps} timed steps)"
+        spread = f" (95% interval {number(low)} to {number(high)}, {steps} timed steps)"
     return f"{number(ms)} ms/step{spread}, {number(m.get('throughput_samples_per_s', math.nan))} samples/s"
+
+
+BUSY_PER_CORE = 0.5  # other programs' load, per core the run had, from which its figures are noise
+
+
+def busy_host(m: Dict[str, float]) -> Optional[str]:
+    """Why the run's figures are noise when the host was busy while it ran, else None. Busy: the
+    1-minute load average (`host_load_per_core` x `host_cores`) less this process's own share
+    (`host_cpu_s_per_wall_s`, the cores it kept busy on average) is at least half of the cores the
+    run had. The run's threads then waited for a core at moments no one chose, and its ms/step
+    moved with the other programs: two runs a minute apart measured 15.9 and 83.4 ms/step."""
+    per_core, cores = m.get("host_load_per_core", math.nan), m.get("host_cores", math.nan)
+    own = m.get("host_cpu_s_per_wall_s", math.nan)
+    if not (math.isfinite(per_core) and math.isfinite(cores) and cores > 0):
+        return None
+    load = per_core * cores
+    others = max(0.0, load - (own if math.isfinite(own) else 0.0))
+    if others < BUSY_PER_CORE * cores:
+        return None
+    return (f"the host was busy: its 1-minute load average was {load:.1f} on the {cores:.0f} cores this run had, "
+            f"{others:.1f} of it other programs' (this process used {own:.2f} CPU-s per s), so the steps waited for a "
+            f"core at random moments: these figures measure the other programs as much as this run; run again on a "
+            f"quiet machine")
 
 
 def number(v: float) -> str:

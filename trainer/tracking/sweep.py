@@ -13,7 +13,9 @@ Under torchrun every rank runs the sweep; rank 0 alone records it (and the jobs'
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
+import io
 import sys
 import tempfile
 from pathlib import Path
@@ -27,20 +29,23 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from mlflow.entities import Param, RunStatus
 from mlflow.tracking import MlflowClient
-from omegaconf import DictConfig, OmegaConf, read_write
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from datasets import DATASETS
+from datasets import DATASETS, build_dataset
 from trainer.tracking.journal import owner_tags
 from trainer.errors import EXIT_FAILED, ConfigError
 from trainer.loop import distributed, faults
+from trainer.loop.run import check_precision, select_device
 from trainer.tracking import plots, report
 from trainer.tracking.runs import child_identity, job_value
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten, store_errors
+from trainer.validate import check_against_dataset, validate
 
 PARENT_KEY = "tracking.parent_run_id"
 # Overrides that can change a job's dataset section: its own keys, and presets (which set any key).
 DATASET_KEYS = ("dataset", "experiment")
 OFFLINE = "python -m trainer.fake_data"  # writes MNIST- and CIFAR-format files of random pixels
+MAX_CHECKED_TRIALS = 32  # combinations of a study's listed values composed and checked before it (`check_trials`)
 
 
 def _overrides(config: DictConfig) -> list:
@@ -96,6 +101,61 @@ def check_datasets(config: DictConfig) -> None:
                 print(f"error: {' '.join(str(e).split())} (the sweep ran no job; to try the presets without "
                       f"network, `{OFFLINE}` writes MNIST- and CIFAR-format files of random pixels)", file=sys.stderr)
             raise SystemExit(EXIT_FAILED) from None
+
+
+def check_trials(config: DictConfig) -> None:
+    """A sampler's study (Hydra's Optuna sweeper, `experiment=tune_dataloader`) draws its trials
+    from `hydra.sweeper.params` until `n_trials`: a config error that every trial would hit (an
+    impossible batch size, an unknown `engine.objective`) would be printed once per trial and end
+    in the sampler's "no trials are completed yet" trace. Each combination of the swept values it
+    can list (at most `MAX_CHECKED_TRIALS`; an interval keeps its key's own value) is composed and
+    checked as `run` checks it before opening a run: when all of them fail, the first one's error
+    ends the sweep here, in one line, before the study. Hydra's basic sweeper is left alone: its
+    jobs are final and each reports its own error once."""
+    if OmegaConf.select(config, "hydra.sweeper._target_", default="").endswith(".BasicSweeper"):
+        return
+    try:
+        listed = [o for o in _overrides(config) if not o.is_sweep_override() or o.is_discrete_sweep()]
+        jobs = BasicSweeper.split_arguments(listed, None)[0]
+    except Exception:  # overrides Hydra cannot expand: the sweeper reports that itself
+        return
+    if not jobs or len(jobs) > MAX_CHECKED_TRIALS:
+        return
+    loader, datasets, first = GlobalHydra.instance().config_loader(), {}, None
+    for job in jobs:
+        try:
+            composed = loader.load_sweep_config(config, list(job))
+        except Exception:  # Hydra refuses this combination: the trial says so
+            return
+        with read_write(composed), open_dict(composed):
+            del composed["hydra"]  # the task's config, as Hydra hands it to the job
+        error = refusal(composed, datasets)
+        if error is None:
+            return  # this trial can run
+        first = first or error
+    if distributed.is_main_process():
+        print(f"error: {' '.join(str(first).split())} (the study ran no trial: every trial of this sweep would stop "
+              f"on it)", file=sys.stderr)
+    raise SystemExit(EXIT_FAILED)
+
+
+def refusal(cfg: DictConfig, datasets: dict) -> Optional[ConfigError]:
+    """The ConfigError `run` would raise for `cfg` before its first step (its values, its device
+    and precision, its batch against its dataset), or None. `datasets`: those built so far, by
+    section: each is built once."""
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # a job's warnings are the job's to print
+            job = validate(cfg)
+            check_precision(job.engine.precision, select_device(job.engine.device))
+            key = OmegaConf.to_yaml(cfg.dataset, resolve=True)
+            if key not in datasets:
+                datasets[key] = build_dataset(job.dataset)
+            check_against_dataset(job, datasets[key])
+    except ConfigError as e:
+        return e
+    except Exception:  # not the config (the dataset's own code failed, say): the trials report that themselves
+        return None
+    return None
 
 
 def swept_keys(overrides: Sequence[str]) -> List[str]:
@@ -173,6 +233,7 @@ class SweepCallback(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         check_datasets(config)  # on every rank: a missing dataset ends them all, printed once
+        check_trials(config)  # a study whose every trial would stop on a config error: refused before it
         if not distributed.is_main_process():
             return
         overrides = sweep_overrides(config)
