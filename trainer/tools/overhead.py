@@ -195,12 +195,11 @@ def measure_turns(overrides: List[str], repeats: int, tmp: Path, turn_s: float =
 
 # -- rounds: warm processes, every side in every process in turn ----------------------------------
 ANSWER = "@overhead "  # a worker's answer line on its stdout (anything else it prints is left alone)
-SIDES = ("engine", *REFERENCE_STEP)  # what a worker runs: the engine's run(), or a reference's plain loop
 
 
 def serve() -> None:
     """A worker of `--method rounds` (`python -m trainer.tools.overhead --serve`): for each line on
-    stdin, `{"side": one of SIDES, "overrides": [...]}`, compose the config, build its dataset (or
+    stdin, `{"side": "engine" | "plain" | "hand", "overrides": [...]}`, compose the config, build its dataset (or
     reuse the last one, when `cfg.dataset` is the same), run that side once and answer one line:
     `ANSWER` and its figures as JSON, or `{"error": the one-line reason}`."""
     from omegaconf import OmegaConf
