@@ -85,16 +85,22 @@ def diff(a: Optional[float], b: Optional[float]) -> Optional[float]:
     return a - b if a is not None and b is not None else None
 
 
+def vs_plain(run: Optional[Run]) -> Optional[float]:
+    """The job's ms/step over its plain loop's (`python -m trainer.report --plain` logs
+    `plain_ms_per_step`, timed after the job; records made before that logged the ratio itself)."""
+    return ratio(m(run, "ms_per_step"), m(run, "plain_ms_per_step")) or m(run, "engine_vs_plain")
+
+
 def plain_rate(run: Optional[Run]) -> Optional[float]:
-    """The job's samples/s in its plain loop (`python -m trainer.report --plain`): the same steps
-    over the same loader, so the engine's samples/s times engine ÷ plain."""
-    rate, vs_plain = m(run, "throughput_samples_per_s"), m(run, "engine_vs_plain")
-    return rate * vs_plain if rate is not None and vs_plain is not None else None
+    """The job's samples/s in its plain loop: the same steps over the same loader, so the engine's
+    samples/s times engine ÷ plain."""
+    rate, ratio_ = m(run, "throughput_samples_per_s"), vs_plain(run)
+    return rate * ratio_ if rate is not None and ratio_ is not None else None
 
 
 def plain_time(seconds: Optional[float], run: Optional[Run]) -> Optional[float]:
     """A duration the engine measured, as the job's plain loop took it."""
-    return ratio(seconds, m(run, "engine_vs_plain"))
+    return ratio(seconds, vs_plain(run))
 
 
 def cell(value, fmt: str = "{:.2f}") -> str:
@@ -155,7 +161,7 @@ def limits_table(sweep: Sweep) -> str:
         peak_pinned, peak_pageable = m(pinned, "h2d_peak_pinned_GBps"), m(pageable, "h2d_peak_pageable_GBps")
         rows.append([size(transfer_bytes(pinned or pageable)), cell(peak_pinned), cell(peak_pageable),
                      cell(ratio(peak_pinned, peak_pageable)), cell(m(pinned, "h2d_GBps")), cell(m(pageable, "h2d_GBps")),
-                     cell(m(pinned, "engine_vs_plain")), cell(m(pageable, "engine_vs_plain"))])
+                     cell(vs_plain(pinned)), cell(vs_plain(pageable))])
     return table(["transfer", "pinned, alone (GB/s)", "pageable, alone (GB/s)", "pinned ÷ pageable",
                   "pinned, in the loop (`pinned_chunk`)", "pageable, in the loop (`baseline`)",
                   "`pinned_chunk` step: engine ÷ plain loop", "`baseline` step: engine ÷ plain loop"], rows)
