@@ -93,7 +93,7 @@ def test_run_checksums_equal_baselines(tiny_cfg, runs):
 
 @pytest.mark.parametrize("key, value, message", [
     ("depth", 0, r"^loader\.depth must be >= 1 \(got 0\): set loader\.depth=2$"),
-    ("ctas", -1, r"^loader\.ctas must be >= 0 \(got -1\): set loader\.ctas=0 \(chosen from the row size\)$")])
+    ("ctas", -1, r"^loader\.ctas must be >= 0 \(got -1\): set loader\.ctas=0 \(chosen from the row size and the step\)$")])
 def test_rejects_no_depth_or_negative_ctas(key, value, message):
     cfg = compose_config(*TINY, "loader=pinned_uva", f"loader.{key}={value}")
     with pytest.raises(ConfigError, match=message):
@@ -142,13 +142,25 @@ class _Stream:
     def wait_event(self, event):
         pass
 
+    def wait_stream(self, stream):
+        pass
+
     def synchronize(self):
         pass
 
 
 class _Event:
+    def __init__(self, **kwargs):
+        pass
+
     def record(self, stream=None):
         pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return 0.0
 
     def synchronize(self):
         pass
@@ -167,6 +179,8 @@ class _Consumed(_Event):
 
 class _EagerGather:
     """The kernel's stand-in: writes the rows at once, as a GPU that runs ahead of everything would."""
+
+    ctas = 4
 
     def __init__(self, x, y):
         self.x, self.y = x, y
@@ -195,7 +209,8 @@ def _fake_device_loader(monkeypatch, *overrides, seed=0):
     loader._upload = lambda order: order
     loader.on_cuda = True
     clock, handed = _Clock(), {}
-    loader.consumed = [_Consumed(s, clock, handed) for s in range(loader.num_slots)]
+    if loader.graph_feed is None:  # the ring
+        loader.consumed = [_Consumed(s, clock, handed) for s in range(loader.num_slots)]
     return loader, clock, handed
 
 
@@ -249,6 +264,120 @@ def test_ring_gathers_the_next_epoch_ahead(monkeypatch):
     assert len(batches) == 6
     # the last batch is handed out with the next epoch's first two already gathered
     assert [p[:2] for p in loader.pending] == [(1, 0), (1, 1)]
+
+
+# -- the gather inside the step's graph (loader.gather_in_graph), driven through the same stand-ins ---------
+def test_graph_feed_yields_baselines_batches_whether_a_replay_or_the_loader_places_them(monkeypatch):
+    """The feed's work run eagerly, as a replay runs it (`beside()` then `replayed()`) or as the
+    loader places a batch no replay did, at random, over epochs and an abandoned pass: every batch
+    is `baseline`'s, in order, and x, y are the same two tensors throughout (what a graph reads)."""
+    over = ("loader.batch_size=12", "loader.drop_last=true", "dataset.dtype=uint8")
+    base = build_loader(compose_config(*TINY, "loader=baseline", *over).loader,
+                        build_dataset(compose_config(*TINY, *over).dataset), torch.device("cpu"), seed=5)
+    loader, _, _ = _fake_device_loader(monkeypatch, *over, "loader.gather_in_graph=true", seed=5)
+    feed, pick = loader.graph_feed, random.Random(0)
+    assert feed is not None and not hasattr(loader, "slots")  # no ring
+    expected, got = [], []
+    for epoch in range(5):
+        batches = list(base)
+        expected += batches[:3] if epoch == 2 else batches
+        it = iter(loader)
+        for i, (x, y) in enumerate(it):
+            assert x is feed.x and y is feed.y and x.dtype == torch.float32
+            got.append((x.clone(), y.clone()))  # what the step reads
+            if pick.random() < 0.7:  # a replay: the step, and the next batch gathered beside it
+                with feed.beside():
+                    pass
+                feed.replayed()
+            if epoch == 2 and i == 2:
+                it.close()  # abandoned: the next pass starts its epoch anew
+                break
+    assert len(got) == len(expected) == 4 * 8 + 3
+    for n, ((xg, yg), (xe, ye)) in enumerate(zip(got, expected)):
+        assert torch.equal(xg, xe) and torch.equal(yg, ye), n
+
+
+def test_gather_in_graph_refuses_a_partial_batch_and_an_eager_step(tiny_cfg):
+    cfg = compose_config(*TINY, "loader=pinned_uva", "loader.gather_in_graph=true", "loader.batch_size=20")
+    with pytest.raises(ConfigError, match=r"^loader\.gather_in_graph=true captures the gather of full batches, but an "
+                                          r"epoch of this run ends with a batch of 16 samples, not 20: set "
+                                          r"loader\.drop_last=true, or loader\.gather_in_graph=false$"):
+        build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"^loader\.gather_in_graph=true captures the next batch's gather in the step's "
+                                          r"CUDA graph, and this step has none: set engine\.cuda_graph=true, or "
+                                          r"loader\.gather_in_graph=false$"):
+        run(tiny_cfg("loader=pinned_uva", "loader.gather_in_graph=true", "loader.drop_last=true"))
+
+
+class _SimEvent:
+    """A timing event whose time is set when it is recorded, by its stream's clock."""
+
+    def __init__(self, **kwargs):
+        self.t = 0.0
+
+    def record(self, stream):
+        self.t = stream.now()
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return end.t - self.t
+
+
+class _SimStreams:
+    """A side stream that gathers a batch in `gather_ms(blocks)` and a compute stream whose step
+    takes `step_ms`, `depth` batches apart, as the ring queues them: when each batch's gather ends
+    and when the step is ready for it."""
+
+    def __init__(self, gather, step_ms, gather_ms, depth=2):
+        self.gather, self.step_ms, self.gather_ms, self.depth = gather, step_ms, gather_ms, depth
+        self.ready, self.needed = [], []  # per batch
+
+    def gathered(self):  # batch len(ready) gathered after the one before it, and after its slot was free
+        k = len(self.ready)
+        free = self.needed[k - self.depth - 1] + self.step_ms if k > self.depth else 0.0
+        start = max(self.ready[-1] if self.ready else 0.0, free)
+        self.ready.append(start + self.gather_ms(self.gather.ctas))
+        return self.ready[-1]
+
+    def wants(self):  # the step is ready for batch len(needed) when the one before it is done
+        k = len(self.needed)
+        self.needed.append(max(self.needed[-1], self.ready[k - 1]) + self.step_ms if k else 0.0)
+        return self.needed[-1]
+
+
+@pytest.mark.parametrize("step_ms, expected", [(0.0, 8), (0.6, 4), (0.2, 8), (0.1, 8)])
+def test_block_tuning_doubles_the_blocks_while_the_step_waits_for_its_gather(monkeypatch, step_ms, expected):
+    """A gather of 16.8 MB at min(50, 10 * blocks) GB/s (near what an H100 measured with 256 KiB
+    rows: 39 GB/s on 2 blocks, 50 on 4 or more) beside a step of `step_ms`. A 0.6 ms step never
+    waits for 4 blocks' gather (0.42 ms): they stay. A copy-only step (0 ms), or one of 0.1 or 0.2
+    ms, waits for any gather: 8 blocks (the link's rate, 0.34 ms) are faster than 4; 16 are not,
+    and are taken back."""
+    monkeypatch.setattr(torch.cuda, "Event", _SimEvent)
+    gather = _EagerGather(None, None)
+    sim = _SimStreams(gather, step_ms, lambda blocks: 16.8 / min(50.0, 10.0 * blocks))
+    side, compute = type("Side", (), {"now": lambda self: sim.ready[-1] if sim.ready else 0.0})(), \
+        type("Compute", (), {"now": lambda self: sim.needed[-1] if sim.needed else 0.0})()
+    tuning = pinned_uva.BlockTuning(gather, side, compute)
+    chosen = None
+    for k in range(400):
+        while len(sim.ready) < k + 3:  # the ring gathers `depth` batches ahead of the step
+            sim.gathered()
+            tuning.gathered(side)
+        sim.wants()
+        if tuning.needed(compute):
+            chosen = k
+            break
+    assert gather.ctas == expected and chosen is not None
+
+
+def test_more_blocks_only_when_the_step_waited():
+    assert pinned_uva.more_blocks(4, 32, [0.2] * 5, [0.5] * 5, 0.1) == 8
+    assert pinned_uva.more_blocks(16, 32, [0.2] * 5, [0.5] * 5, 0.1) == 32
+    assert pinned_uva.more_blocks(32, 32, [0.2] * 5, [0.5] * 5, 0.1) == 32
+    assert pinned_uva.more_blocks(4, 32, [0.01] * 5, [0.5] * 5, 0.1) == 4  # waits of 2%: the step sets the pace
+    assert pinned_uva.more_blocks(4, 32, [0.0] * 5, [0.0] * 5, 0.1) == 4
 
 
 # -- the kernel under Triton's interpreter (CPU) ----------------------------------------------------------
@@ -366,6 +495,38 @@ def test_gpu_graphed_matches_baseline_and_trains_like_eager(tiny_cfg, runs):
     found = [(r.data.tags["strategy"], r.data.tags["degraded"], r.data.tags["data_checksum"]) for r in runs()]
     assert len({checksum for _, _, checksum in found}) == 1, found  # byte-identical batches, same order
     assert {d for _, d, _ in found} == {"false"}
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "uint8"])
+def test_gpu_gather_in_graph_is_baselines_batches_and_trains_as_the_graph_outside(tiny_cfg, runs, dtype):
+    """One replay a step: the step, and the next batch's gather captured beside it. The same
+    batches as `baseline` (checksums), the same training as the gathers outside the graph, every
+    step a replay; across the epochs and through the kernel window after the timed region."""
+    common = ("loader.batch_size=64", "loader.drop_last=true", "engine.epochs=3", "engine.verify=true", "model.hidden=32",
+              f"dataset.dtype={dtype}", "engine.kernel_window_steps=5")
+    run(_gpu_cfg(tiny_cfg, "loader=baseline", *common))
+    outside = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common, "engine.cuda_graph=true"))
+    inside = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common, "engine.cuda_graph=true", "loader.gather_in_graph=true"))
+    assert inside["final_loss"] == pytest.approx(outside["final_loss"], rel=1e-4)
+    assert inside["graph_replays"] == inside["total_steps"] == 3 * 8 and inside["eager_steps"] == 0
+    found = [r.data.tags["data_checksum"] for r in runs()]
+    assert len(found) == 3 and len(set(found)) == 1, found
+
+
+@gpu
+def test_gpu_block_tuning_raises_too_few_blocks_while_that_makes_the_copy_faster(tiny_cfg, monkeypatch):
+    """`model=noop`, rows of 256 KiB, starting from one block (where the row size asks for 4): a
+    step that only copies waits for every gather, so the blocks are doubled while that makes the
+    steps faster, and the copy is faster than with one block fixed."""
+    from trainer.loaders import uva_gather
+    common = ("model=noop", "dataset.shape=[256,256]", "dataset.num_samples=1024", "engine.max_steps=300",
+              "engine.warmup_steps=20")
+    fixed = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common, "loader.ctas=1"))
+    monkeypatch.setattr(uva_gather, "auto_ctas", lambda row_bytes: 1)
+    tuned = run(_gpu_cfg(tiny_cfg, "loader=pinned_uva", *common))
+    assert fixed["gather_blocks"] == 1 and tuned["gather_blocks"] >= 2, (fixed, tuned)
+    assert tuned["h2d_GBps"] > 1.3 * fixed["h2d_GBps"], (fixed["h2d_GBps"], tuned["h2d_GBps"])
 
 
 @gpu

@@ -116,6 +116,9 @@ def _check_sections(job: Config) -> None:
     if classes is not None and classes < job.model.min_classes:
         raise ConfigError(f"model={job.model.name} needs labels of at least {job.model.min_classes} classes (got "
                           f"dataset.num_classes={classes}): set dataset.num_classes=10, or use model=autoencoder or model=noop")
+    if getattr(job.loader, "gather_in_graph", False) and not job.engine.cuda_graph:
+        raise ConfigError(f"loader.gather_in_graph=true captures the next batch's gather in the step's CUDA graph, and "
+                          f"this step has none: set engine.cuda_graph=true, or loader.gather_in_graph=false")
 
 
 def available_cores() -> int:

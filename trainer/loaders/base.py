@@ -60,6 +60,10 @@ class DeviceLoader:
 
     needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
     copier = None  # a strategy that copies on a side stream: its `SideStreamCopier`
+    # A strategy whose next batch a CUDA-graphed step can fetch inside its own graph: an object with
+    # `x`, `y` (the batch it yields), `beside()` (a context manager the step's capture wraps its work
+    # in) and `replayed()` (told after each replay). See `trainer.loaders.pinned_uva.UvaGraphFeed`.
+    graph_feed = None
 
     def __init__(self, cfg: LoaderConfig, dataset: FeedDataset, device: torch.device, seed: int = 0, shard: Shard = Shard()):
         self.cfg, self.dataset, self.device, self.seed = cfg, dataset, torch.device(device), seed
@@ -72,6 +76,10 @@ class DeviceLoader:
     @property
     def degraded(self) -> bool:
         return self.needs_cuda and not self.on_cuda
+
+    def figures(self) -> dict:
+        """The strategy's own figures for the run's summary (e.g. `pinned_uva`'s `gather_blocks`)."""
+        return {}
 
     def __len__(self) -> int:
         """Batches per epoch (this rank's, under torchrun)."""

@@ -55,7 +55,8 @@ def train(step_fn, loader, meter: StepMeter, cfg, checksum=None, profiler=None, 
                     raise
                 if checksum is not None:
                     checksum.update(x, y)  # device-side hash, read after the loop
-                meter.step_begin(len(x))
+                # x.shape[0], not len(x): Tensor.__len__ is a Python method, 1-4 us a call (benchmarks/loop_cost.py)
+                meter.step_begin(x.shape[0])
                 # The loop keeps no reference to the loss past the step; the meter keeps what it
                 # needs without splitting the host heap (see trainer.loop.meter).
                 meter.step_end(step_fn(x, y))
@@ -110,6 +111,7 @@ class FeedbenchLoop:
     Meter = StepMeter
 
     def train(self, parts) -> int:
-        parts.step = make_step(parts.model, parts.optimizer, parts.graphed, parts.cfg.engine.precision)
+        parts.step = make_step(parts.model, parts.optimizer, parts.graphed, parts.cfg.engine.precision,
+                               feed=parts.loader.graph_feed)
         return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler,
                      parts.window)

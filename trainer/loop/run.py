@@ -250,7 +250,7 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
         print(f"warning: the GPU timings could not be read ({' '.join(str(e).split())[:200]}): "
               f"steps.csv holds the host's columns only", file=sys.stderr)
     tracker.log_steps(result.rows)
-    summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20,
+    summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20, **parts.loader.figures(),
                    **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load())
     if parts.device.type != "cuda":  # no copy to a device, no compute stream: not 0, not measured
         summary.update({k: math.nan for k in GPU_FIGURES if k in summary})

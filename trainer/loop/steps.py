@@ -11,6 +11,8 @@ graph) and `eager_steps` (steps that ran eagerly: every step of an `EagerStep`; 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from trainer.config import FP16_GRAPH_REFUSED
@@ -23,9 +25,12 @@ LOSS_SLOTS = 64
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # engine.precision -> autocast's dtype
 
 
-def make_step(model, optimizer, graphed: bool, precision: str = "fp32"):
-    """Return `step(x, y) -> loss` for the engine loop."""
-    return GraphedStep(model, optimizer, precision=precision) if graphed else EagerStep(model, optimizer, precision)
+def make_step(model, optimizer, graphed: bool, precision: str = "fp32", feed=None):
+    """Return `step(x, y) -> loss` for the engine loop. `feed`: the loader's `graph_feed`, whose
+    next batch a graphed step fetches inside its graph (`loader.gather_in_graph`)."""
+    if graphed:
+        return GraphedStep(model, optimizer, precision=precision, feed=feed)
+    return EagerStep(model, optimizer, precision)
 
 
 class EagerStep:
@@ -83,20 +88,30 @@ class GraphedStep:
     Under bf16 the autocast region is captured inside the graph, with autocast's weight cache off
     (PyTorch's rule for capture). fp16 is refused: its GradScaler decides on the host, after reading
     the device, whether each step is skipped, a branch a replayed graph cannot take.
+
+    With a loader's `feed` (`loader.gather_in_graph`) the graph's inputs are the feed's own
+    batch (`feed.x`, `feed.y`, which the loader yields): no copy into static inputs, and the
+    capture wraps the step in `feed.beside()`, so each replay also fetches the next batch.
     """
 
-    def __init__(self, model, optimizer, warmup_iters: int = 3, precision: str = "fp32"):
+    def __init__(self, model, optimizer, warmup_iters: int = 3, precision: str = "fp32", feed=None):
         if precision == "fp16":
             raise ConfigError(FP16_GRAPH_REFUSED)
         self.model, self.optimizer, self.warmup_iters = model, optimizer, warmup_iters
+        self.feed = feed
         self.eager = EagerStep(model, optimizer, precision)  # the warm-up before capture, and batches of another shape
         self.graph = None
         self.graph_replays = 0
         self.eager_steps = 0
 
+    def _fed(self, x) -> bool:
+        """Whether `x` is the feed's batch, which the graph reads where it is and fetches itself."""
+        return self.feed is not None and x is self.feed.x
+
     def _capture(self, x, y):
         device = x.device
-        self.static_x, self.static_y = x.clone(), y.clone()
+        fed = self._fed(x)
+        self.static_x, self.static_y = (x, y) if fed else (x.clone(), y.clone())
         initial = [p.detach().clone() for p in self.model.parameters()]
         # Warm up on a side stream (lazy init, cuBLAS workspaces, optimizer state), as capture requires.
         side = torch.cuda.Stream(device)
@@ -115,7 +130,8 @@ class GraphedStep:
             self.optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: loader threads (DataLoader pinning, chunk loading) may touch CUDA meanwhile.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), \
+                (self.feed.beside() if fed else contextlib.nullcontext()):
             loss = self.eager.forward(self.static_x, self.static_y, cache=False)
             if self.optimizer is not None:
                 loss.backward()
@@ -138,16 +154,20 @@ class GraphedStep:
     def __call__(self, x, y):
         if self.graph is None:
             self._capture(x, y)
-        if x.shape != self.static_x.shape or y.shape != self.static_y.shape:
-            self.eager_steps += 1
-            return self.eager(x, y)
-        self.static_x.copy_(x)
-        self.static_y.copy_(y)
+        fed = x is self.static_x  # the feed's batch: the graph reads it in place and fetches the next
+        if not fed:
+            if x.shape != self.static_x.shape or y.shape != self.static_y.shape:
+                self.eager_steps += 1
+                return self.eager(x, y)
+            self.static_x.copy_(x)
+            self.static_y.copy_(y)
         slot = self.graph_replays % LOSS_SLOTS
         if slot == 0:
             self._slot.zero_()  # back to the ring's start: one tiny kernel every LOSS_SLOTS steps
         self.graph.replay()
         self.graph_replays += 1
+        if fed:
+            self.feed.replayed()
         return self._loss_views[slot]
 
 

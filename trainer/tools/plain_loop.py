@@ -184,7 +184,7 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine", dataset
         if warmup == 0:
             clock.start_timed()
         if step == "engine":
-            engine_loop(loader, make_step(model, optimizer, graphed, precision), clock)
+            engine_loop(loader, make_step(model, optimizer, graphed, precision, loader.graph_feed), clock)
         elif graphed:
             hand_graph_loop(loader, model, optimizer, clock)
         else:
