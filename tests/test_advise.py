@@ -68,6 +68,9 @@ def test_kernel_figures_count_the_kernels_not_the_launch_gaps(tmp_path):
     assert figures == pytest.approx({
         "gpu_kernel_busy_fraction": 200 / 500,  # 50 + 50 + 100 us of kernels in 500 us; the warm-up's left out
         "gpu_kernel_ms_per_step": 0.2 / 2,
+        # the steps span 200-350 and 380-500: no kernel ran in 250-300 and (the device copy) 380-400
+        "gpu_gap_in_step_ms_per_step": (50 + 20) / 1e3 / 2,
+        "gpu_idle_between_steps_ms_per_step": (500 - 150 - 120) / 1e3 / 2,  # the rest of the 500 us
         "launch_gap_ms": (50 + 0) / 1e3 / 2,  # step 0 idles 250-300; step 1's copy fills its span
         "h2d_overlapped_by_kernels_fraction": 0.5,  # 200-250 of the copy's 200-300 under a kernel
         "kernel_window_ms_per_step": 0.25})
@@ -75,7 +78,8 @@ def test_kernel_figures_count_the_kernels_not_the_launch_gaps(tmp_path):
 
 def test_kernel_figures_without_step_markers_keep_the_rest(tmp_path):
     figures = kernel_figures(_window_trace(tmp_path, markers=False), steps=2, wall_s=500e-6)
-    assert math.isnan(figures["launch_gap_ms"])
+    assert all(math.isnan(figures[k]) for k in ("launch_gap_ms", "gpu_gap_in_step_ms_per_step",
+                                                  "gpu_idle_between_steps_ms_per_step"))  # no step boundaries
     assert figures["h2d_overlapped_by_kernels_fraction"] == pytest.approx(0.5)
     assert figures["gpu_kernel_ms_per_step"] == pytest.approx(0.24 / 2)  # without the first mark, the warm-up's kernel counts too
 

@@ -81,8 +81,9 @@ class StepProfiler:
 
 Span = Tuple[float, float]
 # The figures of a kernel window, nan when it was not taken (`KernelWindow.reason` says why).
-WINDOW_FIGURES = ("gpu_kernel_busy_fraction", "gpu_kernel_ms_per_step", "launch_gap_ms",
-                  "h2d_overlapped_by_kernels_fraction", "kernel_window_ms_per_step")
+WINDOW_FIGURES = ("gpu_kernel_busy_fraction", "gpu_kernel_ms_per_step", "gpu_gap_in_step_ms_per_step",
+                  "gpu_idle_between_steps_ms_per_step", "launch_gap_ms", "h2d_overlapped_by_kernels_fraction",
+                  "kernel_window_ms_per_step")
 WINDOW_TRACE = "kernel_window.json"
 
 
@@ -184,6 +185,10 @@ def kernel_figures(trace: Path, steps: int, wall_s: float) -> Dict[str, float]:
     - `gpu_kernel_busy_fraction`: the union of the kernels' intervals (any stream) over the
       window's wall time: how much of the time the device computed;
     - `gpu_kernel_ms_per_step`: that union per step, the device time the step needs;
+    - `gpu_gap_in_step_ms_per_step`, `gpu_idle_between_steps_ms_per_step`: per step, the time
+      no kernel ran inside a step's span on the device, and outside every step's span (the
+      device waiting for the next batch or the host's next step); with `gpu_kernel_ms_per_step`
+      they add up to `kernel_window_ms_per_step` (nan when the trace lacks the step markers);
     - `launch_gap_ms`: per step, the time between the first and the last kernel the step
       launched during which none ran: the device waiting for the host's next launch (nan when
       the trace lacks the step markers);
@@ -193,7 +198,7 @@ def kernel_figures(trace: Path, steps: int, wall_s: float) -> Dict[str, float]:
       what tracing cost the steps.
     """
     events = _complete_events(trace)
-    markers = _step_markers(events, steps + 1)
+    _, markers = _step_markers(events, steps + 1)
     # Before the first marker the device only finished the untraced step (a sync came between).
     start = markers[0] if markers else -math.inf
     launched_at = {e["args"]["correlation"]: e["ts"] for e in events
@@ -213,29 +218,70 @@ def kernel_figures(trace: Path, steps: int, wall_s: float) -> Dict[str, float]:
             on_device.append((span, launched_at.get(e["args"].get("correlation"))))
             if e["cat"] == "kernel":
                 kernels[e["pid"]].append(span)
-    busy_us = _length(_union([span for spans in kernels.values() for span in spans]))
+    kernel_spans = [span for spans in kernels.values() for span in spans]
+    busy_us = _length(_union(kernel_spans))
     hidden, total = _overlap(copies, kernels)
+    gap_in_step = idle_between = launch_gap = math.nan
+    if markers:
+        by_step = _work_by_step(on_device, markers, steps)
+        launch_gap = sum((work[-1][1] - work[0][0]) - _length(work) for work in by_step.values()) / 1e3 / steps
+        # Where the device's wall time went, each instant counted once: a kernel ran; else it lay
+        # inside a step's span (`_work_by_step`: from the start of the first to the end of the last
+        # kernel, memset or copy within the device that the step launched), a gap in the step;
+        # else between steps: before the first step's work, between one step's last work and the
+        # next one's first (where a copy from the host in line with the step falls), after the
+        # last. The wall is the host's clock around the window, which begins before the first
+        # marker and ends after the closing sync: it holds every span, so the rest is >= 0.
+        in_steps_us = _length(_union(kernel_spans + [(work[0][0], work[-1][1]) for work in by_step.values()]))
+        gap_in_step = (in_steps_us - busy_us) / 1e3 / steps
+        idle_between = (wall_s * 1e6 - in_steps_us) / 1e3 / steps
     return {"gpu_kernel_busy_fraction": min(1.0, busy_us / (wall_s * 1e6)) if wall_s > 0 else math.nan,
             "gpu_kernel_ms_per_step": busy_us / 1e3 / steps,
-            "launch_gap_ms": _launch_gaps_us(on_device, markers, steps) / 1e3 / steps if markers else math.nan,
+            "gpu_gap_in_step_ms_per_step": gap_in_step,
+            "gpu_idle_between_steps_ms_per_step": idle_between,
+            "launch_gap_ms": launch_gap,
             "h2d_overlapped_by_kernels_fraction": hidden / total if total > 0 else math.nan,
             "kernel_window_ms_per_step": wall_s * 1e3 / steps}
 
 
-def _step_markers(events: List[dict], count: int) -> List[float]:
-    """The times of the `count` step markers (`cudaStreamQuery`) of the thread that made them,
-    in order; [] when no thread made exactly that many (another caller's queries mixed in)."""
-    by_thread: Dict[object, List[float]] = defaultdict(list)
+def _step_markers(events: List[dict], count: int) -> Tuple[Optional[tuple], List[float]]:
+    """The thread (pid, tid) that made the `count` step markers (`cudaStreamQuery`) and their
+    times, in order; (None, []) when no thread made exactly that many (another caller's queries
+    mixed in)."""
+    by_thread: Dict[tuple, List[float]] = defaultdict(list)
     for e in events:
         if e["cat"] == "cuda_runtime" and e["name"].startswith("cudaStreamQuery"):
             by_thread[(e["pid"], e["tid"])].append(e["ts"])
-    found = [sorted(ts) for ts in by_thread.values() if len(ts) == count]
-    return found[0] if len(found) == 1 else []
+    found = [(thread, sorted(ts)) for thread, ts in by_thread.items() if len(ts) == count]
+    return found[0] if len(found) == 1 else (None, [])
 
 
-def _launch_gaps_us(on_device: List[tuple], markers: List[float], steps: int) -> float:
-    """Sum over the steps of the idle time between the first and the last device work each
-    launched (`(span, launch time)`; a launch time of None: not known, left out)."""
+def step_annotated_trace(trace: Path, steps: int, out: Path) -> Path:
+    """Write at `out` a copy of a `KernelWindow` trace of `steps` steps for tools that find steps
+    where torch.profiler's `step()` marks them (Holistic Trace Analysis, docs/metrics.md): the
+    window's steps only, each spanned by a `ProfilerStep#i` range on the thread that marked it."""
+    thread, markers = _step_markers(_complete_events(trace), steps + 1)
+    if thread is None:
+        raise ValueError(f"{trace}: no thread made the {steps + 1} step markers of a {steps}-step kernel window")
+    data = json.loads(Path(trace).read_text())
+    kept = [e for e in data.get("traceEvents", []) if e.get("ph") == "M" or float(e.get("ts", 0)) >= markers[0]]
+    end = max(float(e["ts"]) + float(e.get("dur", 0)) for e in kept if e.get("ph") != "M")
+    # One more range, from the last marker to the end: such tools leave a trace's last step out
+    # as unfinished, and this one holds only the closing sync.
+    bounds = markers + [max(end, markers[-1])]
+    kept += [{"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{i}", "pid": thread[0], "tid": thread[1],
+              "ts": a, "dur": b - a, "args": {"Record function id": 0}} for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    data["traceEvents"] = kept
+    data.setdefault("distributedInfo", {"rank": 0})  # where HTA reads a trace's rank
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data))
+    return out
+
+
+def _work_by_step(on_device: List[tuple], markers: List[float], steps: int) -> Dict[int, List[Span]]:
+    """The device work (`(span, launch time)`) of each step that launched some, merged: step i's
+    is what was launched between markers i and i + 1 (a launch time of None: not known, left
+    out). Its first span's start and last span's end bound the step on the device."""
     per_step: Dict[int, List[Span]] = defaultdict(list)
     for span, launched in on_device:
         if launched is None:
@@ -243,11 +289,7 @@ def _launch_gaps_us(on_device: List[tuple], markers: List[float], steps: int) ->
         i = bisect.bisect_right(markers, launched) - 1  # launched after marker i, before marker i + 1
         if 0 <= i < steps:
             per_step[i].append(span)
-    total = 0.0
-    for spans in per_step.values():
-        merged = _union(spans)
-        total += (merged[-1][1] - merged[0][0]) - _length(merged)
-    return total
+    return {i: _union(spans) for i, spans in per_step.items()}
 
 
 def _complete_events(trace: Path) -> List[dict]:

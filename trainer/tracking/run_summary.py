@@ -4,6 +4,7 @@ then what it measured before the interrupt), and by `python -m trainer.report --
     run 3f2a… (FINISHED): loader=prefetch dataset=synthetic model=autoencoder on cuda, eager, feedbench loop
       12.35 ms/step (95% interval 12.11 to 12.59, 190 timed steps), 5184 samples/s
       bound by: the data: the loop waited for its next batch 62% of the timed time
+      device, per step of the kernel window: 1.83 ms kernels + 0.41 ms gaps in steps + 7.9 ms idle between steps = 10.14 ms; the host waited 7.66 ms per step for data
       report:  python -m trainer.report --run 3f2a…
       UI:      mlflow ui --backend-store-uri sqlite:///…/outputs/mlflow.db --host 127.0.0.1 --port 5000
                then open http://127.0.0.1:5000/#/experiments/1/runs?workflowType=machine_learning
@@ -71,6 +72,9 @@ def describe(run: Run, uri: str) -> str:
     if m.get("timed_steps", 0) > 0:
         lines.append(f"  {figures(m)}")
         lines.append(f"  bound by: {bound_by(m, device)}")
+        device_line = device_time(m)
+        if device_line:
+            lines.append(f"  {device_line}")
         busy = busy_host(m)
         if busy:
             lines.append(f"  noise: {busy}")
@@ -104,6 +108,19 @@ def figures(m: Dict[str, float]) -> str:
     else:
         spread = f" (95% interval {number(low)} to {number(high)}, {steps} timed steps)"
     return f"{number(ms)} ms/step{spread}, {number(m.get('throughput_samples_per_s', math.nan))} samples/s"
+
+
+def device_time(m: Dict[str, float]) -> Optional[str]:
+    """Where the device's time went per step of the kernel window (`trainer.loop.profiling`), beside
+    the host's mean wait for a batch in the timed region; None without the window's step figures."""
+    parts = [m.get(k, math.nan) for k in ("gpu_kernel_ms_per_step", "gpu_gap_in_step_ms_per_step",
+                                          "gpu_idle_between_steps_ms_per_step", "kernel_window_ms_per_step")]
+    if not all(math.isfinite(v) for v in parts):
+        return None
+    kernels, gaps, idle, wall = parts
+    wait = m.get("data_wait_fraction", math.nan) * m.get("ms_per_step", math.nan)
+    return (f"device, per step of the kernel window: {number(kernels)} ms kernels + {number(gaps)} ms gaps in steps + "
+            f"{number(idle)} ms idle between steps = {number(wall)} ms; the host waited {number(wait)} ms per step for data")
 
 
 BUSY_PER_CORE = 0.5  # other programs' load, per core the run had, from which its figures are noise
