@@ -1,8 +1,9 @@
 """The training step and its references: the engine's eager step is the step a user writes, the
 steps count what they ran, a graphed step's losses stay their steps' while the meter holds them, a
 compiled step times its compiling apart and says why it compiled again, the optimizer's
-implementation is a lever (`engine.optimizer.impl`), and the hand-written reference loop (`trainer.tools.plain_loop --step hand`, `trainer.overhead
---reference hand`) takes the engine's steps and does the same math."""
+implementation is a lever (`engine.optimizer.impl`), and the hand-written reference loop
+(`trainer.tools.plain_loop --step hand`, `trainer.overhead --reference hand`) takes the engine's
+steps and does the same math."""
 
 from __future__ import annotations
 

@@ -217,7 +217,7 @@ class EngineConfig:
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
     quiet: bool = False  # no summary on stderr when the run ends (`python -m trainer -q`)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
-    compile: str = "off"  # off | default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs: torch.compile's mode for forward+loss
+    compile: str = "off"  # off, or torch.compile's mode for forward+loss (COMPILE_MODES): default | reduce-overhead | ...
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around forward+loss (fp16 adds a gradient scaler)
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.loop.heap)

@@ -184,7 +184,7 @@ class CompiledStep:
         import torch._dynamo  # here, not at the top: an eager run never imports the compiler
         # A process that runs several runs (a sweep) would otherwise reuse the last run's compiled code,
         # guarded on the last run's model: a recompile charged to this run, and after torch's
-        # `recompile_limit` (8) of them the step runs eagerly without a word. (It clears the callbacks too.)
+        # `recompile_limit` (8) of them the step falls back to eager. (It clears the compile callbacks too.)
         torch._dynamo.reset()
         self.mode = mode
         self.eager = EagerStep(model, optimizer, precision)
@@ -242,7 +242,7 @@ def _time_compiles(step: weakref.ref) -> None:
     from torch._dynamo.callback import callback_handler
     began = [0.0]
 
-    def start(args=None):  # (torch before 2.6 passes no args: every compile counts as a frame's)
+    def start(args=None):  # (an older torch passes no args: every compile then counts as a frame's)
         began[0] = time.perf_counter()
         owner = step()
         trigger = getattr(getattr(args, "callback_trigger", None), "name", "DYNAMO")
