@@ -31,6 +31,25 @@ def test_a_seed_torch_cannot_take_is_one_line(tmp_path, tracking_uri, seed):
     assert all_runs(tracking_uri) == []
 
 
+@pytest.mark.parametrize("overrides,message", [
+    (["engine.compile=fast"], "engine.compile must be one of off, default, reduce-overhead, max-autotune, "
+                              "max-autotune-no-cudagraphs (got 'fast'): set engine.compile=default (torch.compile's "
+                              "default mode), or engine.compile=off"),
+    (["engine.compile=true"], "engine.compile must be one of off, default, reduce-overhead, max-autotune, "
+                              "max-autotune-no-cudagraphs (got 'True'): set engine.compile=default (torch.compile's "
+                              "default mode), or engine.compile=off"),
+    (["engine.compile=default", "engine.cuda_graph=true"],
+     "engine.compile=default cannot be used with engine.cuda_graph=true (torch.compile records its own CUDA graphs in "
+     "mode reduce-overhead): set engine.compile=reduce-overhead engine.cuda_graph=false, or engine.compile=off"),
+    (["engine.optimizer.impl=apex"], "engine.optimizer.impl must be one of default, for-loop, foreach, fused (got "
+                                     "'apex'): set engine.optimizer.impl=fused"),
+])
+def test_a_bad_compile_or_optimizer_implementation_is_one_line(overrides, message):
+    with pytest.raises(ConfigError) as refused:
+        validate(compose_config(*TINY, *overrides))
+    assert str(refused.value) == message
+
+
 def test_the_largest_seed_runs(tiny_cfg, runs):
     from trainer.loop.run import run
     assert run(tiny_cfg("engine.seed=4294967295", "loader.shuffle=true"))["total_steps"] == 6

@@ -189,6 +189,8 @@ def test_lightning_features_on_request(tiny_cfg, runs, tmp_path, monkeypatch):
     (["engine.loop=keras"], r"engine\.loop must be one of feedbench, lightning \(got 'keras'\): set engine\.loop=feedbench$"),
     (["engine.loop=lightning", "engine.cuda_graph=true"],
      r"engine\.cuda_graph=true cannot be used with engine\.loop=lightning .*: set engine\.cuda_graph=false, or engine\.loop=feedbench$"),
+    (["engine.loop=lightning", "engine.compile=reduce-overhead"],
+     r"engine\.compile=reduce-overhead cannot be used with engine\.loop=lightning .*: set engine\.compile=off, or engine\.loop=feedbench$"),
     (["engine.loop=lightning", "engine.lightning.log_every_n_steps=0"],
      r"engine\.lightning\.log_every_n_steps must be >= 1 \(got 0\): set engine\.lightning\.log_every_n_steps=50$"),
 ])

@@ -351,7 +351,7 @@ def test_precision_is_checked_and_fp16_is_refused_with_cuda_graphs():
 
 def test_the_plain_loop_reference_runs_the_engines_step_in_the_runs_precision(monkeypatch):
     made = []
-    monkeypatch.setattr(plain_loop, "make_step", lambda *args: made.append(args[3]) or make_step(*args))
+    monkeypatch.setattr(plain_loop, "make_step", lambda *args, **kw: made.append(args[3]) or make_step(*args, **kw))
     cfg = ["dataset.num_samples=32", "dataset.shape=[4,4]", "engine.max_steps=3", *QUICK, "engine.precision=bf16"]
     assert plain_loop.measure(compose_config(*cfg))["plain_timed_steps"] == 2 and made == ["bf16"]
     with pytest.raises(ConfigError, match=r"^the hand-written step runs in fp32 \(got engine.precision=bf16\): use the "

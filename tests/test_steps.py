@@ -1,11 +1,14 @@
-"""The training step and its references: the engine's eager step is the step a user writes, both
-steps count what they ran, a graphed step's losses stay their steps' while the meter holds them,
-and the hand-written reference loop (`trainer.tools.plain_loop --step hand`, `trainer.overhead
---reference hand`) takes the engine's steps and does the same math."""
+"""The training step and its references: the engine's eager step is the step a user writes, the
+steps count what they ran, a graphed step's losses stay their steps' while the meter holds them, a
+compiled step times its compiling apart and says why it compiled again, the optimizer's
+implementation is a lever (`engine.optimizer.impl`), and the hand-written reference loop
+(`trainer.tools.plain_loop --step hand`, `trainer.overhead --reference hand`) takes the engine's
+steps and does the same math."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -14,13 +17,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from clirun import check_turns_run
+from clirun import check_turns_run, steps_csv
 from conftest import TINY, compose_config
-from trainer.config import PROJECT_ROOT
+from trainer.config import PROJECT_ROOT, OptimizerConfig
 from trainer.errors import ConfigError
 from trainer.loop.meter import LOSS_BATCH
-from trainer.loop.run import run
-from trainer.loop.steps import LOSS_SLOTS, EagerStep, GraphedStep, make_step
+from trainer.loop.run import run, warn_compile_timed
+from trainer.loop.steps import LOSS_SLOTS, EagerStep, GraphedStep, build_optimizer, make_step
 from trainer.tools import plain_loop
 
 gpu = pytest.mark.gpu  # skipped without CUDA (conftest)
@@ -113,6 +116,113 @@ def test_a_graph_captured_by_hand_replays_only_whole_batches(tiny_cfg):
     assert plain_loop.measure(tiny_cfg(*graphed, "loader.drop_last=true"), step="hand")["plain_timed_steps"] == 16
 
 
+# ------------------------------------------------------------------- torch.compile
+def test_a_compiled_run_times_its_compile_apart_trains_as_the_eager_one_and_names_its_recompile(
+        tiny_cfg, runs, tracking_uri, capsys):
+    """The one test that compiles (inductor on the CPU, 10-30 s): 100 samples in batches of 16 end
+    each epoch with a batch of 4, compiled again once (its code is kept for the second epoch). The
+    compile's seconds and the recompile are in the summary and in MLflow, the cause is named with
+    its fix, and the losses are the eager step's from the same seed."""
+    common = ["dataset.num_samples=100", "engine.epochs=2", "loader.shuffle=true"]
+    eager = run(tiny_cfg(*common))
+    capsys.readouterr()
+    compiled = run(tiny_cfg(*common, "engine.compile=default"))
+    err = capsys.readouterr().err
+    assert compiled["compile_s"] > 0 and compiled["compile_recompiles"] == 1 and "compile_s" not in eager
+    assert (compiled["graph_replays"], compiled["eager_steps"], compiled["total_steps"]) == (0, 0, 14)
+    assert re.search(r"^warning: engine\.compile=default compiled the step 1 more time\(s\) after its first step "
+                     r"\(compile_recompiles=1, within compile_s=[\d.]+\), first for a batch of 4 samples, not 16 "
+                     r"\(a partial last batch\): set loader\.drop_last=true$", err, re.M)
+    assert re.search(r"on cpu, torch\.compile mode default \([\d.]+ s compiling, 1 recompiles\)", err)
+    r, r_eager = runs()  # newest first
+    assert r.data.metrics["compile_s"] == pytest.approx(compiled["compile_s"])
+    assert r.data.metrics["compile_recompiles"] == 1 and r.data.tags["compile"] == "default"
+    losses = [[float(row["loss"]) for row in steps_csv(tracking_uri, run.info.run_id)] for run in (r, r_eager)]
+    assert len(losses[0]) == 14 and len(set(losses[0])) > 1
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+
+
+def test_a_warm_up_shorter_than_the_compile_is_said_in_one_line(capsys):
+    warn_compile_timed("default", 0, graphs=False)
+    warn_compile_timed("reduce-overhead", 1, graphs=True)
+    warn_compile_timed("reduce-overhead", 1, graphs=False)  # no CUDA graphs on the CPU: compiled at the first step only
+    warn_compile_timed("off", 0, graphs=True)
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: engine.compile=default compiles the step at the first step, and engine.warmup_steps=0 leaves that "
+        "in the timed steps (compile_s says how long it took): set engine.warmup_steps=5",
+        "warning: engine.compile=reduce-overhead compiles the step at the first step and records its CUDA graphs at "
+        "the second, and engine.warmup_steps=1 leaves that in the timed steps (compile_s says how long it took): set "
+        "engine.warmup_steps=5"]
+
+
+@gpu
+def test_reduce_overhead_keeps_each_steps_loss_and_trains_as_the_eager_step(tiny_cfg, runs, tracking_uri):
+    """torch's CUDA graphs overwrite their outputs at the next replay: the losses the meter held
+    for 32 steps are still each step's own, the eager step's from the same seed."""
+    common = ["engine.device=cuda", "dataset.num_samples=160", "engine.epochs=3", "loader.shuffle=true",
+              "loader.drop_last=true", "engine.warmup_steps=3"]
+    run(tiny_cfg(*common))
+    compiled = run(tiny_cfg(*common, "engine.compile=reduce-overhead", "engine.optimizer.impl=fused"))
+    assert compiled["compile_s"] > 0 and compiled["compile_recompiles"] == 0
+    r, r_eager = runs()
+    losses = [[float(row["loss"]) for row in steps_csv(tracking_uri, run.info.run_id)] for run in (r, r_eager)]
+    assert len(losses[0]) == 30 and len(set(losses[0])) == 30
+    assert losses[0] == pytest.approx(losses[1], rel=1e-3)
+
+
+# ------------------------------------------------------------------- the optimizer's implementation
+class Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(2, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("impl,kwargs", [("default", {"foreach": None, "fused": None}),
+                                         ("for-loop", {"foreach": False, "fused": None}),
+                                         ("foreach", {"foreach": True, "fused": None}),
+                                         ("fused", {"foreach": None, "fused": True})])
+def test_the_optimizer_implementation_is_torchs_and_each_one_makes_the_same_update(impl, kwargs):
+    """Same weights and gradients, three steps: every implementation lands on the for-loop's
+    weights (to float rounding), for each optimizer."""
+    for name in ("adam", "adamw", "sgd"):
+        weights = []
+        for chosen in ("for-loop", impl):
+            torch.manual_seed(0)
+            model = nn.Linear(6, 3)
+            optimizer = build_optimizer(OptimizerConfig(name=name, lr=0.1, impl=chosen), model)
+            for _ in range(3):
+                optimizer.zero_grad()
+                model(torch.ones(4, 6)).square().mean().backward()
+                optimizer.step()
+            weights.append(model.weight.detach())
+        assert {k: optimizer.defaults[k] for k in kwargs} == kwargs  # the last one built: `impl`'s
+        torch.testing.assert_close(weights[1], weights[0])
+
+
+def test_fused_refuses_parameters_without_a_fused_kernel_before_the_run():
+    with pytest.raises(ConfigError, match=r"^engine\.optimizer\.impl=fused needs floating-point parameters on cpu or "
+                                          r"cuda \(a parameter is torch\.complex64 on cpu\): set engine\.optimizer\.impl=foreach$"):
+        build_optimizer(OptimizerConfig(impl="fused"), Complex())
+
+
+@gpu
+def test_a_graphed_step_with_the_fused_optimizer_trains_as_the_eager_one():
+    """The fused kernels keep Adam's step count on the device: captured (with capturable=True, as
+    the engine builds it for a graph), they update as the eager step does."""
+    losses = {}
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = Recording().cuda()
+        optimizer = build_optimizer(OptimizerConfig(impl="fused", lr=1e-2), model, capturable=graphed)
+        step = make_step(model, optimizer, graphed)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        losses[graphed] = torch.stack([step(torch.randn(8, 4, device="cuda", generator=gen),
+                                            torch.randn(8, 2, device="cuda", generator=gen)).detach().clone()
+                                       for _ in range(10)])
+        assert step.graph_replays == 10 * graphed
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-6)
+
+
 # ------------------------------------------------------------------- the hand-written reference
 HAND = [*TINY, "engine.max_steps=20", "engine.warmup_steps=4"]
 
@@ -161,6 +271,12 @@ def test_the_hand_reference_does_the_engine_steps_math(monkeypatch):
 def test_the_hand_reference_needs_a_model_with_parameters():
     with pytest.raises(ConfigError, match=r"model=noop.*--step engine"):
         plain_loop.measure(compose_config(*HAND, "model=noop"), step="hand")
+
+
+def test_the_hand_reference_runs_eagerly_and_says_so_for_a_compiled_run():
+    with pytest.raises(ConfigError, match=r"^the hand-written step runs eagerly \(got engine\.compile=default\): use the "
+                                          r"engine's step \(--step engine\), which compiles as the run did$"):
+        plain_loop.measure(compose_config(*HAND, "engine.compile=default"), step="hand")
 
 
 def test_overhead_tool_takes_turns_with_the_hand_written_reference(tmp_path, capsys):

@@ -40,6 +40,13 @@ CONF_DIR = _PACKAGED_CONF if INSTALLED else PROJECT_ROOT / "conf"
 BASE_DIR = Path.cwd() if INSTALLED else PROJECT_ROOT
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+# engine.optimizer.impl: torch's three implementations of an optimizer's update (`default`: torch
+# picks, foreach on a GPU and the for-loop on the CPU).
+OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
+# engine.compile: off, or torch.compile's mode (`torch._inductor.list_mode_options()`); the modes
+# that record CUDA graphs are COMPILE_GRAPH_MODES.
+COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # GradScaler.step reads from the device whether a gradient overflowed (`.item()`) before it steps
 # the optimizer: a host-side branch that a captured CUDA graph cannot hold.
@@ -173,11 +180,15 @@ def _first_line(error: BaseException) -> str:
 class OptimizerConfig:
     name: str = "adam"  # adam | sgd | adamw
     lr: float = 1e-3
+    impl: str = "default"  # default | for-loop | foreach | fused: the update's implementation (default: torch's choice)
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {self.name!r}): "
                               f"set engine.optimizer.name=adam")
+        if self.impl not in OPTIMIZER_IMPLS:
+            raise ConfigError(f"engine.optimizer.impl must be one of {', '.join(OPTIMIZER_IMPLS)} (got {self.impl!r}): "
+                              f"set engine.optimizer.impl=fused")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"engine.optimizer.lr must be a finite number > 0 (got {self.lr}): set engine.optimizer.lr=0.001")
 
@@ -206,6 +217,7 @@ class EngineConfig:
     progress: bool = True  # tqdm bar on stderr (only on a terminal)
     quiet: bool = False  # no summary on stderr when the run ends (`python -m trainer -q`)
     cuda_graph: bool = False  # capture forward+backward+step once, replay it every step
+    compile: str = "off"  # off, or torch.compile's mode for forward+loss (COMPILE_MODES): default | reduce-overhead | ...
     precision: str = "fp32"  # fp32 | bf16 | fp16: autocast around forward+loss (fp16 adds a gradient scaler)
     profile: bool = False  # torch.profiler trace of the last warm-up steps (and whether its copies overlapped kernels)
     steady_heap: bool = True  # keep freed host buffers in the process (glibc), so no run's batches fault in anew (trainer.loop.heap)
@@ -241,6 +253,15 @@ class EngineConfig:
                               f"set engine.precision=fp32")
         if self.precision == "fp16" and self.cuda_graph:
             raise ConfigError(FP16_GRAPH_REFUSED)
+        if self.compile not in COMPILE_MODES:
+            raise ConfigError(f"engine.compile must be one of {', '.join(COMPILE_MODES)} (got {self.compile!r}): "
+                              f"set engine.compile=default (torch.compile's default mode), or engine.compile=off")
+        if self.compile != "off" and self.cuda_graph:
+            # Capturing a compiled step by hand is fragile (its code is compiled and autotuned at the first
+            # calls, which a capture must not run), and torch.compile records CUDA graphs itself.
+            raise ConfigError(f"engine.compile={self.compile} cannot be used with engine.cuda_graph=true (torch.compile "
+                              f"records its own CUDA graphs in mode reduce-overhead): set engine.compile=reduce-overhead "
+                              f"engine.cuda_graph=false, or engine.compile=off")
         if self.loop == "lightning":
             self._check_lightning()
 
@@ -253,6 +274,10 @@ class EngineConfig:
             # its closure: there is no single step function to capture.
             raise ConfigError("engine.cuda_graph=true cannot be used with engine.loop=lightning (Lightning runs the step "
                               "itself): set engine.cuda_graph=false, or engine.loop=feedbench")
+        if self.compile != "off":
+            # The compiled step is the feedbench loop's; under Lightning it would be the LightningModule's to compile.
+            raise ConfigError(f"engine.compile={self.compile} cannot be used with engine.loop=lightning (Lightning runs "
+                              f"the step itself): set engine.compile=off, or engine.loop=feedbench")
         at_least("engine.lightning.log_every_n_steps", self.lightning.log_every_n_steps, 1, 50)
 
 

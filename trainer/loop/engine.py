@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from trainer.loop.faults import LossWatch, signals_after
 from trainer.loop.meter import StepMeter
-from trainer.loop.steps import make_step
+from trainer.loop.steps import STEP_COUNTS, make_step
 
 
 def planned_steps(cfg, loader) -> int:
@@ -94,7 +94,7 @@ def _trace_window(window, step_fn, loader, batches) -> None:
         while len(loader) > 0:
             yield from iter(loader)
     probe, loader.copy_probe = getattr(loader, "copy_probe", None), None
-    counts = {k: getattr(step_fn, k) for k in ("graph_replays", "eager_steps") if hasattr(step_fn, k)}
+    counts = {k: getattr(step_fn, k) for k in STEP_COUNTS if hasattr(step_fn, k)}
     following = more()
     try:
         window.run(step_fn, following)
@@ -106,12 +106,12 @@ def _trace_window(window, step_fn, loader, batches) -> None:
 
 
 class FeedbenchLoop:
-    """`engine.loop=feedbench`: the loop above, over the engine's own step (eager or CUDA-graphed)."""
+    """`engine.loop=feedbench`: the loop above, over the engine's own step (eager, CUDA-graphed or compiled)."""
 
     Meter = StepMeter
 
     def train(self, parts) -> int:
         parts.step = make_step(parts.model, parts.optimizer, parts.graphed, parts.cfg.engine.precision,
-                               feed=parts.loader.graph_feed)
+                               compile=parts.cfg.engine.compile, feed=parts.loader.graph_feed)
         return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler,
                      parts.window)

@@ -26,6 +26,7 @@ import torch
 
 from datasets import build_dataset
 from models import build_model
+from trainer.config import COMPILE_GRAPH_MODES
 from trainer.errors import ConfigError
 from trainer.loaders import build_loader
 from trainer.loop.distributed import Ranks
@@ -33,7 +34,7 @@ from trainer.loop.engine import planned_steps
 from trainer.loop.clock import host_load
 from trainer.loop.faults import StopSignals, explain_faults
 from trainer.loop.meter import StepMeter
-from trainer.loop.steps import build_optimizer
+from trainer.loop.steps import STEP_COUNTS, build_optimizer
 from trainer.loop.summary import GPU_FIGURES
 from trainer.loop.verify import Checksum
 from trainer.memory import check_model_fits, limit_gpu_memory
@@ -178,7 +179,10 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
     graphed = cfg.engine.cuda_graph and device.type == "cuda"
     degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
-    tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower()})
+    if cfg.engine.compile == "reduce-overhead" and device.type != "cuda":  # its CUDA graphs are its whole point
+        degraded.append("engine.compile=reduce-overhead")
+    tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower(),
+                      "compile": cfg.engine.compile})
     if degraded:
         print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
     with ranks.agree():
@@ -188,6 +192,7 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
     optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
     planned = planned_steps(cfg.engine, loader)
     warn_untimed(planned, cfg.engine.warmup_steps)
+    warn_compile_timed(cfg.engine.compile, cfg.engine.warmup_steps, graphs=device.type == "cuda")
     loop = loop_named(cfg.engine.loop)()
     meter = loop.Meter(device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every,
                        # copies run `loader.depth` batches ahead, and one more under Lightning (its fetcher draws one ahead)
@@ -250,6 +255,9 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
         print(f"warning: the GPU timings could not be read ({' '.join(str(e).split())[:200]}): "
               f"steps.csv holds the host's columns only", file=sys.stderr)
     tracker.log_steps(result.rows)
+    recompiled = getattr(parts.step, "recompile_warning", str)()
+    if recompiled and ranks.is_main:
+        print(recompiled, file=sys.stderr)
     summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20, **parts.loader.figures(),
                    **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load())
     if parts.device.type != "cuda":  # no copy to a device, no compute stream: not 0, not measured
@@ -289,10 +297,9 @@ def _window_figures(window: Optional[KernelWindow], tracker) -> dict:
 
 def _step_counts(step) -> dict:
     """How many steps replayed a CUDA graph and how many ran eagerly (a graphed run's batch of
-    another shape runs eagerly: said, not hidden)."""
-    if step is None:
-        return {}
-    return {"graph_replays": step.graph_replays, "eager_steps": step.eager_steps}
+    another shape runs eagerly: said, not hidden); for a compiled step, the seconds it spent
+    compiling and how often it compiled again."""
+    return {k: getattr(step, k) for k in STEP_COUNTS if hasattr(step, k)}
 
 
 def gpu_memory_baseline(device: torch.device) -> int:
@@ -331,6 +338,19 @@ def warn_untimed(planned: int, warmup: int) -> None:
         print(f"warning: engine.warmup_steps={warmup} covers all {planned} steps of this run, so none is timed "
               f"(timed_steps=0): set engine.max_steps above {warmup} or engine.warmup_steps below {planned}",
               file=sys.stderr)
+
+
+def warn_compile_timed(compile: str, warmup: int, graphs: bool) -> None:
+    """torch.compile compiles at the first step (and, in the modes that record CUDA graphs, records
+    them at the second): a warm-up shorter than that times the compile as steps. Warned, not refused:
+    such a run still measures what its first steps cost, and `compile_s` says how much was compiling."""
+    if compile == "off":
+        return
+    needed = 2 if graphs and compile in COMPILE_GRAPH_MODES else 1
+    if warmup < needed:
+        work = "compiles the step at the first step" + (" and records its CUDA graphs at the second" if needed == 2 else "")
+        print(f"warning: engine.compile={compile} {work}, and engine.warmup_steps={warmup} leaves that in the timed "
+              f"steps (compile_s says how long it took): set engine.warmup_steps={max(needed, 5)}", file=sys.stderr)
 
 
 def ceilings(meter: StepMeter, device: torch.device) -> dict:

@@ -7,8 +7,8 @@ as `python -m trainer` would for the same overrides, then runs one of two loops 
 with nothing else in it (a host timestamp per step, kept in an array made beforehand): no meter,
 no events, no loss kept, no MLflow.
 
-- `--step engine` (the default): the engine's own step (`trainer.loop.steps.make_step`), eager or
-  CUDA-graphed as `engine.cuda_graph` says:
+- `--step engine` (the default): the engine's own step (`trainer.loop.steps.make_step`), eager,
+  CUDA-graphed or compiled as `engine.cuda_graph` and `engine.compile` say:
 
       for x, y in loader:
           step(x, y)
@@ -163,6 +163,10 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine", dataset
     if step == "hand" and precision != "fp32":
         raise ConfigError(f"the hand-written step runs in fp32 (got engine.precision={precision}): use the engine's "
                           f"step (--step engine), which runs in the run's precision")
+    compiled = cfg.engine.get("compile", "off")  # (configs saved before engine.compile existed ran eagerly)
+    if step == "hand" and compiled != "off":
+        raise ConfigError(f"the hand-written step runs eagerly (got engine.compile={compiled}): use the engine's step "
+                          f"(--step engine), which compiles as the run did")
     name = cfg.engine.device
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
     if device.type == "cuda":  # as `python -m trainer` does: the same share of the GPU's memory
@@ -184,7 +188,8 @@ def measure(cfg, clock_file: Optional[str] = None, step: str = "engine", dataset
         if warmup == 0:
             clock.start_timed()
         if step == "engine":
-            engine_loop(loader, make_step(model, optimizer, graphed, precision, loader.graph_feed), clock)
+            engine_loop(loader, make_step(model, optimizer, graphed, precision, compile=compiled, feed=loader.graph_feed),
+                        clock)
         elif graphed:
             hand_graph_loop(loader, model, optimizer, clock)
         else:

@@ -63,6 +63,9 @@ def describe(run: Run, uri: str) -> str:
     tags, m = run.data.tags, run.data.metrics
     device = tags.get("device", "?")
     how = "CUDA graph" if tags.get("cuda_graph") == "true" else "eager"
+    if tags.get("compile", "off") != "off":  # its compile time apart from the steps' (trainer.loop.steps.CompiledStep)
+        how = (f"torch.compile mode {tags['compile']} ({m.get('compile_s', math.nan):.1f} s compiling, "
+               f"{m.get('compile_recompiles', 0):.0f} recompiles)")
     lines = [f"run {run.info.run_id} ({shown_status(run)}): loader={tags.get('strategy', '?')} "
              f"dataset={tags.get('dataset', '?')} model={tags.get('model', '?')} on {device}, {how}, "
              f"{tags.get('loop', 'feedbench')} loop"]
