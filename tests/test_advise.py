@@ -525,6 +525,18 @@ def test_compile_and_the_fused_optimizer_are_searched_where_the_engine_has_their
     assert metrics["ladder.ceiling_graphed_fused_ms"] == pytest.approx(0.17)
     assert metrics["ladder.ceiling_graphed_compile_default_fused_ms"] == pytest.approx(0.12)
 
+    def refuses_compile_with_graph(job):  # an engine that cannot compile a graphed step
+        if job.engine.compile != "off" and job.engine.cuda_graph:
+            raise ConfigError("engine.compile=default cannot be used with engine.cuda_graph=true")
+        return simulated_gpu(job)
+
+    result = advisor.advise(cfg, steps=4, verify=False, run_fn=refuses_compile_with_graph, log=lambda line: None)
+    ladder_ = result["ladder"]  # compile measured on the eager step instead, and said
+    assert ladder_.steps[setting(compile="default")] == pytest.approx(0.55)
+    assert ladder_.missing["ceiling, graphed, engine.compile=default, engine.optimizer.fused=true"].startswith(
+        "engine.compile=default cannot be used")
+    assert result["best"].overrides == ["loader=gpu_resident", "engine.cuda_graph=true", "engine.optimizer.fused=true"]
+
 
 # ----------------------------------------------------------------------------- the tuner
 def test_the_entry_point_returns_the_objective_to_hydra(tiny_cfg, runs):

@@ -307,7 +307,8 @@ def describe(ladder: Ladder, lever: str, value) -> str:
         return (f"batches made in the loop's own process: the {ladder.workers} workers took turns on the run's "
                 f"{ladder.cores} CPU cores and cost more than they gave")
     if lever == "workers" and value < ladder.workers:
-        return f"{value} DataLoader workers, for the {ladder.cores} CPU cores the run is given ({ladder.workers} took turns on them)"
+        return (f"{value} DataLoader workers, for the {ladder.cores} CPU cores the run is given "
+                f"({ladder.workers} took turns on them)")
     return {"workers": f"{value} DataLoader worker processes",
             "graph": "the step replayed as one CUDA graph" if value else "the step launched eagerly",
             "compile": f"the step compiled (torch.compile, mode {value})",
@@ -568,21 +569,25 @@ class Advisor:
 
     def _step_levers(self, ladder: Ladder, ceiling) -> None:
         """The step's levers past the graph (STEP_TRIALS), each measured once on top of the fastest
-        step measured so far."""
+        step measured so far (or, where that step is graphed and the run fails, on the fastest eager one:
+        an engine may refuse a lever with CUDA graphs)."""
         tried, not_tried = step_levers(self.cfg, self.allow, self.cuda)
         ladder.missing.update(not_tried)
         for lever in tried:
             rungs = ladder.step_rungs()
+            eager = {s: ms for s, ms in rungs.items() if not ladder.is_graphed(s)}
             fastest = min(rungs, key=rungs.get)
-            changes = merged(fastest, setting(**{lever: STEP_TRIALS[lever][1]}))
-            name = step_name(ladder, changes)
-            # The graph set either way: a CPU job may say cuda_graph=true and run eager.
-            job = with_values(with_changes(ceiling, changes), **{LEVERS["graph"]: ladder.is_graphed(changes)})
-            summary, why = self.measure(job, name)
-            if summary is None:
+            bases = [fastest, min(eager, key=eager.get)] if ladder.is_graphed(fastest) and eager else [fastest]
+            for base in bases:
+                changes = merged(base, setting(**{lever: STEP_TRIALS[lever][1]}))
+                name = step_name(ladder, changes)
+                # The graph set either way: a CPU job may say cuda_graph=true and run eager.
+                job = with_values(with_changes(ceiling, changes), **{LEVERS["graph"]: ladder.is_graphed(changes)})
+                summary, why = self.measure(job, name)
+                if summary is not None:
+                    ladder.steps[changes] = summary["ms_per_step"]
+                    break
                 ladder.missing[name] = why
-            else:
-                ladder.steps[changes] = summary["ms_per_step"]
 
     def _copies(self, ladder: Ladder, configured: dict) -> None:
         """The copy rung: one batch at the pinned peak and the pageable rate, against the achieved."""
