@@ -24,7 +24,8 @@ from trainer.loop.engine import train
 from trainer.loop.meter import StepMeter
 from trainer.loop.run import run
 from trainer.tools import advisor
-from trainer.tools.advisor import Ladder, judge, predict, recommend, candidates, tolerance
+from trainer.tools.advisor import (Ladder, best, feed_changes, judge, predict, reachable, recommend, setting,
+                                   tolerance)
 from trainer.loop.profiling import WINDOW_FIGURES, KernelWindow, kernel_figures
 
 TESTS = Path(__file__).resolve().parent
@@ -197,20 +198,42 @@ def test_the_tolerance_is_the_ceilings_own_jitter():
 
 
 def test_changes_are_predicted_from_the_ladder_fastest_first():
-    found = ladder(configured=10.0, ceiling_eager=1.0, feed=9.5, feeds={"loader=pinned_chunk": 0.5,
-                                                                         "loader.num_workers=4": 3.0})
+    found = ladder(configured=10.0, ceiling_eager=1.0, feed=9.5, feeds={setting(strategy="pinned_chunk"): 0.5})
     verdict = judge(found)
-    loader_cfg = OmegaConf.create({"num_workers": 0})
-    options = candidates(found, verdict, loader_cfg)
-    assert [c.overrides[0] for c in options][:2] == ["loader=gpu_resident", "loader=pinned_chunk"]
-    options = [c for c in options if not c.overrides[0].startswith("loader.num_workers")]
-    changes = recommend(found, options)
+    assert list(feed_changes(found, verdict))[0] == setting(strategy="pinned_chunk")
+    changes = recommend(found, reachable(found, verdict))
     # gpu_resident is the ceiling rung itself; pinned_chunk's feed beside the step, on one CPU thread
     assert [(c.overrides, c.predicted_ms) for c in changes] == [(["loader=gpu_resident"], 1.0),
                                                                 (["loader=pinned_chunk"], pytest.approx(1.5))]
     assert predict(1.0, 9.5, 1.0) == 10.5 and predict(1.0, 9.5, 0.0) == 9.5
     # A change that would not save more than the tolerance is not offered.
-    assert recommend(ladder(configured=1.02, ceiling_eager=1.0, feed=0.1), options[:1]) == []
+    near = ladder(configured=1.02, ceiling_eager=1.0, feed=0.1)
+    assert recommend(near, reachable(near, judge(near))) == [] and best(near, judge(near), reachable(near, judge(near))) is None
+
+
+def test_the_best_configuration_follows_the_bounds_down():
+    """Seed 000's workload fed by a DataLoader: feeding costs 5 of 5.6 ms; fed from the device the
+    eager step is launch-bound (0.6 ms, 0.2 graphed). The best configuration removes both bounds,
+    which no single change does."""
+    found = ladder(configured=5.6, ceiling_eager=0.6, ceiling_graphed=0.2, feed=5.0,
+                   feeds={setting(strategy="pinned_chunk"): 0.4})
+    verdict = judge(found)
+    options = reachable(found, verdict)
+    top = best(found, verdict, options)
+    assert top.overrides == ["loader=gpu_resident", "engine.cuda_graph=true"] and top.predicted_ms == 0.2
+    assert top.chain == ["input", "launch", "compute"]
+    assert recommend(found, options)[0].overrides == ["loader=gpu_resident"]  # the best single change: 0.6
+    # pinned_chunk with the graph: its 0.4 ms feed hidden behind nothing of the graphed step
+    assert {" ".join(c.overrides): c.predicted_ms for c in options}["loader=pinned_chunk engine.cuda_graph=true"] == 0.4
+    lines = advisor.render(found, verdict, recommend(found, options), "GPU", top).splitlines()
+    assert lines[:2] == ["best: loader=gpu_resident engine.cuda_graph=true",
+                         "  0.200 ms/step predicted (28.00x), bounds input → launch → compute"]
+    assert lines[3].startswith("bound: input — ")
+    # Within the tolerance of the fastest, the fewest changes win: the graph alone, if the feed hides.
+    hidden = ladder(configured=1.9, ceiling_eager=1.8, ceiling_graphed=0.8, feed=0.35, copy_achieved=0.33,
+                    strategy="pinned_chunk")
+    top = best(hidden, judge(hidden), reachable(hidden, judge(hidden)))
+    assert top.overrides == ["engine.cuda_graph=true"] and top.chain == ["launch", "compute"]
 
 
 def test_the_advice_cautions_when_the_model_misses_the_run():
@@ -233,9 +256,11 @@ def test_rungs_that_contradict_each_other_give_no_verdict():
     assert verdict.bound == "none" and verdict.reason.startswith(
         "no verdict: the run took 15.9 ms/step, less than its step fed from the device (109) alone, and a part cannot "
         "take longer than the whole")
-    changes = recommend(odd, candidates(odd, verdict, OmegaConf.create({"num_workers": 0})))
-    text = advisor.render(odd, verdict, changes, "CPU")
-    assert changes == [] and text.splitlines()[0] == f"bound: none — {verdict.reason}"
+    options = reachable(odd, verdict)
+    changes = recommend(odd, options)
+    text = advisor.render(odd, verdict, changes, "CPU", best(odd, verdict, options))
+    assert changes == [] and text.splitlines()[:3] == [
+        "best: unknown — rungs that contradict each other predict nothing", "", f"bound: none — {verdict.reason}"]
     assert "caution" not in text and "within" not in text
     assert "changes: none predicted: rungs that contradict each other predict nothing" in text
     assert judge(ladder(configured=10.0, ceiling_eager=1.0, feed=30.0)).bound == "none"  # a feed slower than the run
@@ -246,18 +271,23 @@ def test_rungs_that_contradict_each_other_give_no_verdict():
 
 
 # ----------------------------------------------------------------------------- the advisor, end to end
-def _advise(tracking_uri, *overrides, verify=False):
+def _advise(tracking_uri, *overrides, verify=False, allow=()):
     cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}", *overrides)
-    return advisor.advise(cfg, steps=4, verify=verify, log=lambda line: None)
+    return advisor.advise(cfg, steps=4, verify=verify, log=lambda line: None, allow=allow)
 
 
 def test_a_loader_slowed_on_purpose_is_judged_input_and_recorded(tracking_uri):
     # Every batch is a chunk 'read from disk' in 40 ms; the ceiling uploads them once, up front.
-    result = _advise(tracking_uri, "loader=iterable_chunks", "dataset.chunks=6", "dataset.load_ms=40", verify=True)
+    result = _advise(tracking_uri, "loader=iterable_chunks", "dataset.chunks=6", "dataset.load_ms=40", verify=True,
+                     allow=["precision"])
     assert result["bound"] == "input"
     top = result["changes"][0]
     assert top.overrides == ["loader=gpu_resident"] and top.predicted_ms < 10 and top.measured_ms < 10
     ladder_ = result["ladder"]
+    assert list(ladder_.steps) == [setting(precision="bf16")]  # allowed: the step in bf16 was measured too
+    # (A model that does nothing: bf16 may come out faster or not, by the noise of a few steps.)
+    best_ = result["best"]
+    assert best_.overrides[0] == "loader=gpu_resident" and best_.chain == ["input", "compute"] and best_.measured_ms < 10
     assert ladder_.feed >= 35 and ladder_.configured >= 35 and ladder_.ceiling_eager < 10
     # What a CPU cannot measure is said, not zero.
     assert {"ceiling, graphed", "copy", "kernels"} <= set(ladder_.missing)
@@ -281,7 +311,8 @@ def test_a_busy_model_is_judged_compute(tracking_uri, capsys):
     assert advisor.main(["--steps", "3", *TINY_NOOP, "model.busy_ms=150", f"tracking.uri={tracking_uri}"]) == 0
     captured = capsys.readouterr()
     out = captured.out
-    assert out.startswith("bound: compute — ") and "changes: none predicted" in out
+    assert out.startswith("best: as configured — nothing the ladder measured is predicted to save more than the tolerance")
+    assert "\n\nbound: compute — " in out and "changes: none predicted" in out
     (advice,) = [r for r in MlflowClient(tracking_uri).search_runs(["0", *_experiments(tracking_uri)])
                  if r.data.tags.get("advise") == "true"]
     assert advice.data.tags["bound"] == "compute"
@@ -349,6 +380,62 @@ def test_a_signal_during_the_advice_is_one_line_and_closes_its_runs_killed(tmp_p
     assert client.get_run(advice.info.run_id).info.status == client.get_run(rung.info.run_id).info.status == "KILLED"
 
 
+def stand_in_cpu(feeds: dict, step_ms: float = 1.0, bf16_ms: float = math.nan):
+    """A run on a made-up 2-core host, from its config alone: the DataLoader's feed by its workers
+    (`feeds`), pinned_chunk's 6 ms, the step fed from the device `step_ms` (`bf16_ms` in bf16); one
+    thread does everything, so a run takes its feed plus its step."""
+    def run_fn(cfg) -> dict:
+        feed = {"gpu_resident": 0.0, "pinned_chunk": 6.0}.get(cfg.loader.name, feeds.get(cfg.loader.num_workers))
+        step = 0.0 if cfg.model.name == "noop" else bf16_ms if cfg.engine.precision == "bf16" else step_ms
+        return {"ms_per_step": feed + step, "median_step_ms": feed + step, "host_cores": 2.0}
+    return run_fn
+
+
+@pytest.mark.parametrize("no_workers_ms, offered", [
+    (5.7, [("loader=gpu_resident", 1.0), ("loader.num_workers=2", 5.0), ("loader=pinned_chunk", 7.0)]),
+    # The workers cost more than they give: none, too.
+    (2.5, [("loader=gpu_resident", 1.0), ("loader.num_workers=0", 3.5), ("loader.num_workers=2", 5.0)]),
+])
+def test_more_workers_than_cores_get_a_change_with_fewer(tracking_uri, no_workers_ms, offered):
+    """64 DataLoader workers on 2 cores take turns on them: 99 ms a batch, against 4 with 2 workers."""
+    cfg = compose_config(*TINY_NOOP[1:], "model=autoencoder", "loader.num_workers=64", f"tracking.uri={tracking_uri}")
+    result = advisor.advise(cfg, steps=4, verify=False, run_fn=stand_in_cpu({64: 99.0, 2: 4.0, 0: no_workers_ms}),
+                            log=lambda line: None)
+    assert result["bound"] == "input" and result["ladder"].cores == 2
+    assert [(" ".join(c.overrides), c.predicted_ms) for c in result["changes"]] == offered
+    fewer = next(c for c in result["changes"] if c.overrides == ["loader.num_workers=2"])
+    assert fewer.why == "2 DataLoader workers, for the 2 CPU cores the run is given (64 took turns on them)"
+    assert re.search(r"\n  feed alone \(loader.num_workers=2, no model\) +4\.000\n", result["text"])  # the rung it came from
+
+
+def test_a_precision_change_is_searched_only_when_allowed(tracking_uri, capsys):
+    """A compute-bound step that bf16 halves: proposed with --allow precision only, and said to
+    change the training."""
+    cfg = compose_config(*TINY_NOOP[1:], "model=autoencoder", "loader=gpu_resident", f"tracking.uri={tracking_uri}")
+    run_fn = stand_in_cpu({}, step_ms=4.0, bf16_ms=2.0)
+    plain = advisor.advise(cfg, steps=4, verify=False, run_fn=run_fn, log=lambda line: None)
+    assert plain["bound"] == "compute" and plain["best"] is None and plain["changes"] == []
+    assert not plain["ladder"].steps and "--allow precision measures engine.precision=bf16" in plain["text"]
+    asked = []
+    allowed = advisor.advise(cfg, steps=4, verify=True, run_fn=lambda job: asked.append(job.tracking.run_name) or run_fn(job),
+                             log=lambda line: None, allow=["precision"])
+    assert asked.count("advise: verify engine.precision=bf16") == 1  # the best and the first change: one run
+    top = allowed["best"]
+    assert (top.overrides, top.predicted_ms, top.measured_ms) == (["engine.precision=bf16"], 2.0, 2.0)
+    assert allowed["text"].splitlines()[:3] == [
+        "best: engine.precision=bf16", "  2.000 ms/step predicted (2.00x), bound: compute throughout; measured 2.000 (+0%)",
+        "  changes the training: engine.precision=bf16 (autocast: the loss and the weights it reaches differ from the "
+        "configured run's)"]
+    assert allowed["changes"][0].why == "autocast to bf16: changes the training"
+    tags = MlflowClient(tracking_uri).get_run(allowed["run_id"]).data.tags
+    assert (tags["best"], tags["best.chain"], tags["best.changes_training"]) == (
+        "engine.precision=bf16", "compute", "engine.precision=bf16")
+    with pytest.raises(SystemExit):  # a lever it does not know: one line
+        advisor.main(["--allow", "speed"])
+    assert capsys.readouterr().err == ("error: argument --allow: invalid choice: 'speed' (choose from 'precision'): see "
+                                       "python -m trainer.advise --help\n")
+
+
 def simulated_gpu(cfg) -> dict:
     """A run's summary on a made-up GPU, from its config alone: seed 000's workload fed by a
     DataLoader (5 ms a batch alone), its eager step 0.6 ms fed from the device, 0.2 graphed."""
@@ -356,11 +443,13 @@ def simulated_gpu(cfg) -> dict:
     feeds = {"baseline": 5.0, "pinned": 3.0, "prefetch": 3.0, "pinned_chunk": 0.4, "gpu_resident": 0.01}
     feed = 2.5 if cfg.loader.num_workers else feeds[loader]
     step = 0.2 if graphed else 0.6
+    # An engine with the keys (tests add them): the fused optimizer saves 0.03 ms, compiling 0.05.
+    step -= 0.03 * bool(cfg.engine.optimizer.get("fused", False)) + 0.05 * (cfg.engine.get("compile", "off") != "off")
     ms = {"noop": feed, "autoencoder": {"baseline": feed + step, "pinned_chunk": 0.9, "gpu_resident": step}[loader]}[model]
     if loader == "gpu_resident" and cfg.loader.shuffle:
         ms += 0.02  # the gather of a shuffled batch
     summary = {"ms_per_step": ms, "median_step_ms": ms, "h2d_batch_mb": 16.0, "median_h2d_ms": 2.0,
-               "h2d_peak_pinned_GBps": 50.0, "h2d_peak_pageable_GBps": 8.0}
+               "h2d_peak_pinned_GBps": 50.0, "h2d_peak_pageable_GBps": 8.0, "host_cores": 8.0}
     if cfg.engine.kernel_window_steps:
         summary.update(gpu_kernel_ms_per_step=0.15, gpu_kernel_busy_fraction=0.15 / ms, launch_gap_ms=0.4,
                        h2d_overlapped_by_kernels_fraction=0.0 if loader == "baseline" else math.nan)
@@ -386,14 +475,24 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     assert (ladder_.configured, ladder_.ceiling_eager, ladder_.ceiling_graphed, ladder_.feed) == (5.6, 0.6, 0.2, 5.0)
     assert ladder_.copy_achieved == 2.0 and ladder_.copy_pinned == pytest.approx(16 * 2**20 / 50e6)
     # Feeding costs 5 ms a step, launching 0.4; the copy is 2 of the feed's 5: the host is the bound.
-    assert result["bound"] == "input" and not ladder_.missing
+    assert result["bound"] == "input" and list(ladder_.missing) == ["precision"]  # (not allowed: said, not measured)
+    assert ladder_.missing["precision"] == ("not tried: it changes the training; --allow precision measures "
+                                            "engine.precision=bf16")
     assert [(c.overrides, round(c.predicted_ms, 3), c.measured_ms) for c in result["changes"]] == [
         (["loader=gpu_resident"], 0.6, 0.62),
         (["loader=pinned_chunk"], round(0.6 + (1 - 0.2 / 0.6) * 0.4, 3), 0.9),  # its feed beside the eager step's host share
         (["loader.num_workers=4"], 3.1, 2.5 + 0.6)]  # the in-line copy still takes turns with the step
+    # Past the feed, the eager step's launches bound it: the best configuration removes both.
+    top = result["best"]
+    assert (top.overrides, top.predicted_ms, top.measured_ms) == (["loader=gpu_resident", "engine.cuda_graph=true"], 0.2, 0.22)
+    assert result["text"].splitlines()[:2] == ["best: loader=gpu_resident engine.cuda_graph=true",
+                                               "  0.200 ms/step predicted (28.00x), bounds input → launch → compute; "
+                                               "measured 0.220 (+10%)"]
     # Timing rungs first, without a window; the kernel windows last, one timed step each.
     names = [name for name, _, _ in asked]
     assert names[:4] == ["advise: configured", "advise: ceiling, eager", "advise: ceiling, graphed", "advise: feed alone"]
+    assert "advise: verify loader=gpu_resident engine.cuda_graph=true" in names
+    assert not [n for n in names if "compile" in n or "fused" in n]  # an engine without their keys: not measured
     assert names[-2:] == ["advise: kernels of configured", "advise: kernels of ceiling, eager"]
     assert all(window == 0 and steps == 105 for _, steps, window in asked[:-2])
     assert all(window == 20 and steps == 6 for _, steps, window in asked[-2:])
@@ -402,6 +501,45 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
     assert metrics["ladder.ceiling_graphed_ms"] == 0.2 and metrics["change3.measured_ms"] == pytest.approx(3.1)
     assert metrics["kernels.configured.launch_gap_ms"] == 0.4
+    assert (metrics["best.predicted_ms"], metrics["best.measured_ms"]) == (0.2, 0.22)
+    tags = MlflowClient(tracking_uri).get_run(result["run_id"]).data.tags
+    assert (tags["best"], tags["best.chain"]) == ("loader=gpu_resident engine.cuda_graph=true", "input → launch → compute")
+    assert "best.changes_training" not in tags and metrics["ladder.feed_workers4_ms"] == 2.5
+
+
+def test_compile_and_the_fused_optimizer_are_searched_where_the_engine_has_their_keys(tracking_uri, monkeypatch):
+    """With `engine.compile` and `engine.optimizer.fused` in the config, each is measured once on
+    top of the fastest step so far (the graphed one, then graphed and fused), and the best
+    configuration takes what they save."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    cfg = compose_config(*TINY_NOOP[1:-1], "model=autoencoder", f"tracking.uri={tracking_uri}")
+    cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped: keys this engine's schema does not have yet
+    cfg.engine.compile, cfg.engine.optimizer.fused = "off", False  # the keys of an engine that has them
+    asked = []
+    result = advisor.advise(cfg, steps=4, verify=False, run_fn=lambda job: asked.append(job.tracking.run_name) or
+                            simulated_gpu(job), log=lambda line: None)
+    assert {"advise: ceiling, graphed, engine.optimizer.fused=true",
+            "advise: ceiling, graphed, engine.compile=default, engine.optimizer.fused=true"} <= set(asked)
+    top = result["best"]
+    assert top.overrides == ["loader=gpu_resident", "engine.cuda_graph=true", "engine.compile=default",
+                             "engine.optimizer.fused=true"]
+    assert top.predicted_ms == pytest.approx(0.2 - 0.03 - 0.05) and top.chain == ["input", "launch", "compute"]
+    metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
+    assert metrics["ladder.ceiling_graphed_fused_ms"] == pytest.approx(0.17)
+    assert metrics["ladder.ceiling_graphed_compile_default_fused_ms"] == pytest.approx(0.12)
+
+    def refuses_compile_with_graph(job):  # an engine that cannot compile a graphed step
+        if job.engine.compile != "off" and job.engine.cuda_graph:
+            raise ConfigError("engine.compile=default cannot be used with engine.cuda_graph=true")
+        return simulated_gpu(job)
+
+    result = advisor.advise(cfg, steps=4, verify=False, run_fn=refuses_compile_with_graph, log=lambda line: None)
+    ladder_ = result["ladder"]  # compile measured on the eager step instead, and said
+    assert ladder_.steps[setting(compile="default")] == pytest.approx(0.55)
+    assert ladder_.missing["ceiling, graphed, engine.compile=default, engine.optimizer.fused=true"].startswith(
+        "engine.compile=default cannot be used")
+    assert result["best"].overrides == ["loader=gpu_resident", "engine.cuda_graph=true", "engine.optimizer.fused=true"]
 
 
 # ----------------------------------------------------------------------------- the tuner

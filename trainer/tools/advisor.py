@@ -1,25 +1,29 @@
-"""`python -m trainer.advise [--verify] [--steps N] [overrides...]`: what bounds this run, and what
-to change, each change with the ms/step it should give.
+"""`python -m trainer.advise [--verify] [--allow precision] [--steps N] [overrides...]`: what bounds
+this run, the best configuration within reach, and what to change, each with the ms/step it should give.
 
 For the composed config it measures, in this process on this device, a short ladder of runs
 (`trainer.loop.run.run`, each a child of the advice's MLflow run):
 
     configured        the run as configured
     ceiling           the same model, batch and dtype fed from data already on the device
-                      (loader=gpu_resident, no shuffle): the step alone, eager and CUDA-graphed
-    feed              the configured loader with no model (model=noop): how fast batches come
+                      (loader=gpu_resident, no shuffle): the step alone, eager and CUDA-graphed,
+                      then with each of the step's other levers (STEP_TRIALS: the optimizer's
+                      fused implementation, torch.compile, bf16 with --allow precision) on top
+                      of the fastest step so far, where the engine has their keys
+    feed              the configured loader with no model (model=noop): how fast batches come,
+                      and the same for each feed-side change (another strategy, more or fewer workers)
     copy              this batch's bytes at the pinned peak and at the pageable rate (after the
                       configured run), against the copy it achieved
     kernels           the configured run and the eager ceiling again, for their kernel windows
                       (last: nothing timed runs after CUPTI was attached)
 
 and from them decides what bounds the run (`judge`: input, copy, launch or compute, by which
-removal the measured ceilings say would save the most) and which changes would help
-(`recommend`: exact overrides, each predicted from the ladder by one overlap model). With
-`--verify` each change is run and its measured ms/step printed beside the prediction.
-docs/advisor.md explains the rules and the model.
+removal the measured ceilings say would save the most), searches every configuration the rungs
+predict, each measured feed against each measured step by one overlap model (`reachable`), and
+gives the fastest (`best`, with the bounds it goes through: input → launch → compute) and the best
+single changes (`recommend`), as exact overrides. With `--verify` each is run and its measured
+ms/step printed beside the prediction. docs/advisor.md explains the rules and the model.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -32,7 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -47,6 +51,7 @@ from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import LOADERS
 from trainer.loaders.base import LoaderConfig
 from trainer.tools.tuning import DATALOADER_STRATEGIES, max_workers
+from trainer.validate import available_cores
 from trainer.tracking.journal import owner_tags
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, store_errors
 
@@ -55,6 +60,56 @@ IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: 
 MIN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.20  # "within a few percent": the ceiling's own jitter, kept in these bounds
 # The loader keys every strategy has: carried over when a rung or a change swaps the strategy.
 COMMON_LOADER_KEYS = tuple(f for f in LoaderConfig.__dataclass_fields__ if f != "name")
+DATALOADER_KEYS = ("num_workers", "prefetch_factor", "persistent_workers")  # mean nothing to a strategy without one
+
+# The levers the advisor moves, each by one override key: a renamed key is one edit here. A lever
+# whose key the composed config lacks (an older engine) is neither measured nor proposed.
+LEVERS = {
+    "strategy": "loader",  # the loader strategy (a config group)
+    "workers": "loader.num_workers",  # DataLoader worker processes
+    "graph": "engine.cuda_graph",  # the step captured once as a CUDA graph, replayed
+    "compile": "engine.compile",  # torch.compile of the step (off | default | reduce-overhead | max-autotune)
+    "fused": "engine.optimizer.fused",  # the optimizer's fused implementation
+    "precision": "engine.precision",  # autocast dtype: changes the training
+}
+FEED_LEVERS = ("strategy", "workers")  # how batches arrive: measured by a feed alone (model=noop)
+# The step's own levers past the graph: (off, tried). Where the job has one off, it is measured
+# once on top of the fastest step so far, at the tried value: `default` compile (reduce-overhead
+# captures CUDA graphs, as the graph lever does; max-autotune compiles for minutes, too long for
+# a ladder), bf16 (fp16 cannot be graphed).
+STEP_TRIALS = {"fused": (False, True), "compile": ("off", "default"), "precision": ("fp32", "bf16")}
+CUDA_ONLY = ("compile", "fused")  # a CPU ladder does not measure them (no kernels to fuse or launch)
+CHANGES_TRAINING = ("precision",)  # proposed only with `--allow <lever>`, and said to change the training
+# The lever values of a feed alone: no model to graph or compile.
+FEED_ALONE = {"graph": False, "compile": STEP_TRIALS["compile"][0]}
+# Which levers remove which bound (the chain of bounds a configuration goes through).
+REMOVES = {"input": FEED_LEVERS, "copy": FEED_LEVERS, "launch": ("graph",), "compute": ("compile", "fused", "precision")}
+
+# Changes to the job, lever by lever: ((lever, value), ...) in LEVERS' order; () is the job itself.
+Setting = Tuple[Tuple[str, object], ...]
+
+
+def setting(**changes) -> Setting:
+    """The changes as a Setting, in LEVERS' order (`setting(strategy="gpu_resident", graph=True)`)."""
+    return tuple((lever, changes[lever]) for lever in LEVERS if lever in changes)
+
+
+def merged(*settings: Setting) -> Setting:
+    """The settings' changes together (a later one wins a lever both change)."""
+    return setting(**{k: v for s in settings for k, v in s})
+
+
+def overrides_of(changes: Setting) -> List[str]:
+    """The overrides that make `changes` (`loader=gpu_resident`, `engine.cuda_graph=true`)."""
+    return [f"{LEVERS[lever]}={str(value).lower() if isinstance(value, bool) else value}" for lever, value in changes]
+
+
+def has_lever(cfg, lever: str) -> bool:
+    """Whether the composed config has the lever's key (an engine before it: no)."""
+    return OmegaConf.select(cfg, LEVERS[lever], default=_ABSENT) is not _ABSENT
+
+
+_ABSENT = object()
 
 
 def _nan() -> float:
@@ -76,14 +131,34 @@ class Ladder:
     copy_pageable: float = field(default_factory=_nan)  # one batch at the pageable rate
     batch_mb: float = field(default_factory=_nan)
     tolerance: float = MIN_TOLERANCE
+    workers: int = 0  # the configured DataLoader workers
+    cores: int = 0  # the CPU cores the configured run was given (its `host_cores`)
     kernels: Dict[str, Dict[str, float]] = field(default_factory=dict)  # rung -> its kernel window's figures
-    feeds: Dict[str, float] = field(default_factory=dict)  # a change's overrides -> its feed alone
+    feeds: Dict[Setting, float] = field(default_factory=dict)  # a feed-side change -> its feed alone
+    steps: Dict[Setting, float] = field(default_factory=dict)  # a step-side change past the graph -> its ceiling
     missing: Dict[str, str] = field(default_factory=dict)  # rung -> why it was not measured
 
     @property
     def ceiling(self) -> float:
         """The configured step kind's own ceiling (graphed or eager), feeding free."""
         return self.ceiling_graphed if self.graphed else self.ceiling_eager
+
+    def step_rungs(self) -> Dict[Setting, float]:
+        """Every measured step fed from the device, by its changes to the job's step (graph included)."""
+        eager, graphed = self.flip((), False), self.flip((), True)
+        found = {eager: self.ceiling_eager, graphed: self.ceiling_graphed, **self.steps}
+        return {s: ms for s, ms in found.items() if math.isfinite(ms)}
+
+    def flip(self, changes: Setting, graph: bool) -> Setting:
+        """`changes` with the step graphed or not (no graph change where the job's step is that kind)."""
+        values = dict(changes)
+        values.pop("graph", None)
+        if graph != self.graphed:
+            values["graph"] = graph
+        return setting(**values)
+
+    def is_graphed(self, changes: Setting) -> bool:
+        return bool(dict(changes).get("graph", self.graphed))
 
 
 @dataclass
@@ -96,10 +171,22 @@ class Verdict:
 
 @dataclass
 class Change:
-    overrides: List[str]
+    """A reachable configuration: the job with `changes` made, its ms/step predicted from measured rungs."""
+
+    changes: Setting
     predicted_ms: float
     why: str
     measured_ms: float = math.nan  # --verify
+    chain: List[str] = field(default_factory=list)  # the best configuration's bounds, first to last
+
+    @property
+    def overrides(self) -> List[str]:
+        return overrides_of(self.changes)
+
+    @property
+    def changes_training(self) -> List[str]:
+        """Its overrides that change what is trained (a precision), not only how fast."""
+        return overrides_of(tuple((k, v) for k, v in self.changes if k in CHANGES_TRAINING))
 
 
 # ----------------------------------------------------------------------------- the model
@@ -109,15 +196,18 @@ def predict(step_ms: float, feed_ms: float, serial: float) -> float:
     return max(step_ms, feed_ms) + serial * min(step_ms, feed_ms)
 
 
+def eager_host_share(eager_ms: float, graphed_ms: float) -> float:
+    """The share of an eager step during which the host, launching, sets its pace: what its graph
+    saves (1 - graphed / eager); 1 without a graphed step to compare (on the CPU, one thread does everything)."""
+    if math.isfinite(graphed_ms) and eager_ms > 0:
+        return min(1.0, max(0.0, 1.0 - graphed_ms / eager_ms))
+    return 1.0
+
+
 def host_share(ladder: Ladder, graphed: bool) -> float:
     """The share of a step during which the host, not the device, sets its pace: feed work on
-    the loop's thread cannot overlap it. A graphed step: none; an eager one: what its graph saves
-    (1 - graphed / eager); on the CPU, where one thread does everything: all of it."""
-    if graphed:
-        return 0.0
-    if math.isfinite(ladder.ceiling_graphed) and ladder.ceiling_eager > 0:
-        return min(1.0, max(0.0, 1.0 - ladder.ceiling_graphed / ladder.ceiling_eager))
-    return 1.0
+    the loop's thread cannot overlap it. A graphed step: none; an eager one: `eager_host_share`."""
+    return 0.0 if graphed else eager_host_share(ladder.ceiling_eager, ladder.ceiling_graphed)
 
 
 def serial_share(ladder: Ladder, strategy: str, graphed: bool) -> float:
@@ -204,66 +294,156 @@ def _feed_bound(ladder: Ladder, feeding: float) -> str:
 
 
 # ----------------------------------------------------------------------------- the changes
-@dataclass
-class Candidate:
-    """A change the ladder can predict, as overrides: another strategy or DataLoader setting
-    (`loader`, `loader_keys`: its feed alone is measured), or the graphed step (`graph`)."""
-
-    overrides: List[str]
-    why: str
-    loader: Optional[str] = None  # the strategy it runs (None: the job's)
-    loader_keys: Dict[str, object] = field(default_factory=dict)
-    graph: bool = False
-
-    def job(self, cfg):
-        """The job with this change made."""
-        if self.graph:
-            return with_values(cfg, **{"engine.cuda_graph": True})
-        if self.loader == cfg.loader.name:  # the same strategy: its own keys kept
-            return with_values(cfg, **{f"loader.{k}": v for k, v in self.loader_keys.items()})
-        return with_loader(cfg, self.loader, **self.loader_keys)
+STRATEGY_WHY = {"gpu_resident": "the dataset on the device: the step's own ceiling",
+                "pinned_chunk": "slices of a page-locked chunk, copied on a side stream",
+                "prefetch": "the same DataLoader, copies on a side stream"}
 
 
-def candidates(ladder: Ladder, verdict: Verdict, loader_cfg) -> List[Candidate]:
-    """The changes worth predicting for this verdict, in no order."""
+def describe(ladder: Ladder, lever: str, value) -> str:
+    """What one lever's change does, in a few words."""
+    if lever == "strategy":
+        return STRATEGY_WHY.get(value, f"loader={value}")
+    if lever == "workers" and value == 0 and ladder.workers > ladder.cores:
+        return (f"batches made in the loop's own process: the {ladder.workers} workers took turns on the run's "
+                f"{ladder.cores} CPU cores and cost more than they gave")
+    if lever == "workers" and value < ladder.workers:
+        return (f"{value} DataLoader workers, for the {ladder.cores} CPU cores the run is given "
+                f"({ladder.workers} took turns on them)")
+    return {"workers": f"{value} DataLoader worker processes",
+            "graph": "the step replayed as one CUDA graph" if value else "the step launched eagerly",
+            "compile": f"the step compiled (torch.compile, mode {value})",
+            "fused": "the optimizer's fused implementation",
+            "precision": f"autocast to {value}: changes the training"}[lever]
+
+
+def feed_changes(ladder: Ladder, verdict: Verdict) -> Dict[Setting, str]:
+    """The feed-side changes worth measuring (each by its feed alone) for this verdict: setting -> why."""
     eps, t = ladder.tolerance, ladder.configured
-    found = []
+    found: Dict[Setting, str] = {}
     if verdict.bound == "none":  # rungs that contradict each other predict nothing
         return found
     feeding_matters = math.isfinite(verdict.feeding_costs_ms) and verdict.feeding_costs_ms > eps * t
-    if feeding_matters and ladder.strategy != "gpu_resident" and math.isfinite(ladder.ceiling):
-        found.append(Candidate(["loader=gpu_resident"], "the dataset on the device: the step's own ceiling",
-                               loader="gpu_resident"))
     if feeding_matters and ladder.strategy not in ("pinned_chunk", "gpu_resident"):
-        found.append(Candidate(["loader=pinned_chunk"], "slices of a page-locked chunk, copied on a side stream",
-                               loader="pinned_chunk"))
+        found[setting(strategy="pinned_chunk")] = STRATEGY_WHY["pinned_chunk"]
     if verdict.bound == "copy" and ladder.strategy in IN_LINE:
-        found.append(Candidate(["loader=prefetch"], "the same DataLoader, copies on a side stream", loader="prefetch"))
-    workers = max_workers()
-    if verdict.bound == "input" and ladder.strategy in DATALOADER_STRATEGIES and loader_cfg.num_workers < workers:
-        found.append(Candidate([f"loader.num_workers={workers}"], f"{workers} DataLoader worker processes",
-                               loader=ladder.strategy, loader_keys={"num_workers": workers}))
-    if not ladder.graphed and math.isfinite(ladder.ceiling_graphed) and verdict.launch_costs_ms > eps * t:
-        found.append(Candidate(["engine.cuda_graph=true"], "the step replayed as one CUDA graph", graph=True))
+        found[setting(strategy="prefetch")] = STRATEGY_WHY["prefetch"]
+    workers, cores = ladder.workers, ladder.cores or available_cores()
+    most = min(max_workers(), cores)  # never more workers than the run's cores
+    if LOADERS[ladder.strategy].Config.uses_dataloader and workers > cores:
+        # More workers than cores take turns on them (the run's own warning says so): as many as the
+        # cores, and none, whose feed says whether the workers give more than they cost.
+        for fewer in (most, 0):
+            found[setting(workers=fewer)] = describe(ladder, "workers", fewer)
+    elif verdict.bound == "input" and ladder.strategy in DATALOADER_STRATEGIES and workers < most:
+        found[setting(workers=most)] = describe(ladder, "workers", most)
     return found
 
 
-def prediction(ladder: Ladder, change: Candidate) -> float:
-    """The change's ms/step by the model: its step ceiling against its feed alone."""
-    if change.graph:
-        return predict(ladder.ceiling_graphed, ladder.feed, serial_share(ladder, ladder.strategy, True))
-    if change.loader == "gpu_resident":
-        return ladder.ceiling  # that rung is this change (its batches views of the resident data)
-    feed = ladder.feeds.get(" ".join(change.overrides), math.nan)
-    return predict(ladder.ceiling, feed, serial_share(ladder, change.loader, ladder.graphed))
+def feed_of(ladder: Ladder, feed: Setting) -> float:
+    """The feed alone of a feed-side setting (() : the configured loader's)."""
+    return ladder.feed if not feed else ladder.feeds.get(feed, math.nan)
 
 
-def recommend(ladder: Ladder, found: Sequence[Candidate]) -> List[Change]:
-    """Up to three changes predicted to save more than the tolerance, fastest first."""
-    changes = [Change(c.overrides, prediction(ladder, c), c.why) for c in found]
-    better = [c for c in changes if math.isfinite(c.predicted_ms)
-              and c.predicted_ms < (1 - ladder.tolerance) * ladder.configured]
-    return sorted(better, key=lambda c: c.predicted_ms)[:3]
+def predicted(ladder: Ladder, feed: Setting, step: Setting) -> float:
+    """The ms/step of the job with a feed-side and a step-side change, from their measured rungs
+    by the model (nan: one of them was not measured)."""
+    steps = ladder.step_rungs()
+    step_ms = steps.get(step, math.nan)
+    strategy = dict(feed).get("strategy", ladder.strategy)
+    if strategy == "gpu_resident":
+        return step_ms  # that rung is this change (its batches views of the resident data)
+    if strategy in IN_LINE:
+        serial = 1.0
+    elif ladder.is_graphed(step):
+        serial = 0.0
+    else:  # the eager step's host share, against the same step graphed where that was measured
+        serial = eager_host_share(step_ms, steps.get(ladder.flip(step, True), ladder.ceiling_graphed))
+    return predict(step_ms, feed_of(ladder, feed), serial)
+
+
+def reachable(ladder: Ladder, verdict: Verdict) -> List[Change]:
+    """Every configuration the measured rungs predict: each measured feed (the configured one, the
+    changes' feeds, the dataset on the device) against each measured step (eager, graphed, and the
+    step's other levers), by the model."""
+    if verdict.bound == "none":
+        return []
+    feeds = [(), *ladder.feeds]
+    if ladder.strategy != "gpu_resident":
+        feeds.append(setting(strategy="gpu_resident"))
+    found = []
+    for feed in feeds:
+        if not _offered(ladder, feed):
+            continue
+        for step in ladder.step_rungs():
+            changes = merged(feed, step)
+            ms = predicted(ladder, feed, step)
+            if changes and math.isfinite(ms):
+                found.append(Change(changes, ms, "; ".join(describe(ladder, k, v) for k, v in changes)))
+    return found
+
+
+def _offered(ladder: Ladder, feed: Setting) -> bool:
+    """No workers is proposed only where its feed alone beats the feed with workers: where the
+    workers cost more than they give."""
+    if feed != setting(workers=0):
+        return True
+    with_workers = [ms for s, ms in ladder.feeds.items() if dict(s).get("workers", 0) > 0]
+    return not with_workers or ladder.feeds[feed] < min(with_workers)
+
+
+def recommend(ladder: Ladder, options: Sequence[Change]) -> List[Change]:
+    """Up to three single changes predicted to save more than the tolerance, fastest first."""
+    single = [c for c in options if len(c.changes) == 1 and _saves(ladder, c)]
+    return sorted(single, key=lambda c: c.predicted_ms)[:3]
+
+
+def best(ladder: Ladder, verdict: Verdict, options: Sequence[Change]) -> Optional[Change]:
+    """The fastest reachable configuration that saves more than the tolerance (None: none does).
+    Among those within the tolerance of the fastest (a tie, as far as the rungs can tell), the one
+    that keeps the training as it is, then the fewest changes, then the fastest; its `chain` set."""
+    better = [c for c in options if _saves(ladder, c)]
+    if not better:
+        return None
+    fastest = min(c.predicted_ms for c in better)
+    tied = [c for c in better if c.predicted_ms <= (1 + ladder.tolerance) * fastest]
+    top = min(tied, key=lambda c: (bool(c.changes_training), len(c.changes), c.predicted_ms))
+    top.chain = chain(ladder, verdict, top.changes)
+    return top
+
+
+def _saves(ladder: Ladder, change: Change) -> bool:
+    return change.predicted_ms < (1 - ladder.tolerance) * ladder.configured
+
+
+def chain(ladder: Ladder, verdict: Verdict, changes: Setting) -> List[str]:
+    """The bounds the job goes through on its way to `changes`: the verdict's, then, lever by lever
+    (those that remove the bound of the moment first: REMOVES), the bound of each configuration
+    on the way, as `judge` calls it from the predicted figures."""
+    bounds, done, left = [verdict.bound], {}, dict(changes)
+    while left:
+        levers = [k for k in REMOVES.get(bounds[-1], ()) if k in left] or list(left)
+        done.update({k: left.pop(k) for k in levers})
+        bound = bound_at(ladder, setting(**done))
+        if bound and bound != bounds[-1]:
+            bounds.append(bound)
+    return bounds
+
+
+def bound_at(ladder: Ladder, changes: Setting) -> Optional[str]:
+    """What bounds the job with `changes`, judged as the job itself is, on the figures the rungs
+    predict for it (None: the rungs do not predict it)."""
+    feed = tuple((k, v) for k, v in changes if k in FEED_LEVERS)
+    step = tuple((k, v) for k, v in changes if k not in FEED_LEVERS)
+    steps, strategy = ladder.step_rungs(), dict(feed).get("strategy", ladder.strategy)
+    ms = predicted(ladder, feed, step)
+    if not math.isfinite(ms):
+        return None
+    at = Ladder(configured=ms, graphed=ladder.is_graphed(step), strategy=strategy, tolerance=ladder.tolerance,
+                ceiling_eager=steps.get(ladder.flip(step, False), math.nan),
+                ceiling_graphed=steps.get(ladder.flip(step, True), math.nan),
+                feed=0.0 if strategy == "gpu_resident" else feed_of(ladder, feed),  # views of resident data: free
+                copy_achieved=math.nan if feed else ladder.copy_achieved)
+    return judge(at).bound
 
 
 # ----------------------------------------------------------------------------- the rungs
@@ -271,6 +451,8 @@ def with_loader(cfg, name: str, **keys):
     """A copy of the job with the loader strategy `name`, its common keys (batch size, ...) the job's."""
     job = copy.deepcopy(cfg)
     common = {k: job.loader[k] for k in COMMON_LOADER_KEYS if k in job.loader}
+    if not LOADERS[name].Config.uses_dataloader:  # its DataLoader keys would only be warned about
+        common = {k: v for k, v in common.items() if k not in DATALOADER_KEYS}
     with open_dict(job):
         job.loader = OmegaConf.structured(LOADERS[name].Config(**{**common, **keys}))
     return job
@@ -285,21 +467,47 @@ def with_values(cfg, **values):
     return job
 
 
+def with_changes(cfg, changes: Setting):
+    """A copy of the job with a Setting's changes made (a strategy first, the other keys on it)."""
+    values = dict(changes)
+    strategy = values.pop("strategy", None)
+    if strategy is not None and strategy != cfg.loader.name:
+        cfg = with_loader(cfg, strategy)
+    return with_values(cfg, **{LEVERS[lever]: value for lever, value in values.items()})
+
+
 def noop_feed(cfg):
     """The job's loader with a model that does nothing: its feed alone."""
     job = copy.deepcopy(cfg)
     with open_dict(job):
         job.model = OmegaConf.structured(MODELS["noop"].Config())
-        job.engine.cuda_graph = False
-    return job
+    return with_values(job, **{LEVERS[k]: v for k, v in FEED_ALONE.items() if has_lever(job, k)})
+
+
+def step_levers(cfg, allow: Sequence[str], cuda: bool) -> tuple:
+    """(the step levers past the graph to measure, {lever: why not} for those said not to be)."""
+    tried, not_tried = [], {}
+    for lever, (off, value) in STEP_TRIALS.items():
+        if not has_lever(cfg, lever) or OmegaConf.select(cfg, LEVERS[lever]) != off:
+            continue  # an engine without the key (nothing to say), or the job has the lever on already
+        if lever in CHANGES_TRAINING and lever not in allow:
+            not_tried[lever] = (f"not tried: it changes the training; --allow {lever} measures "
+                                f"{overrides_of(setting(**{lever: value}))[0]}")
+        elif lever in CUDA_ONLY and not cuda:
+            not_tried[lever] = "no CUDA: measured on a GPU only (it acts on kernels and their launches)"
+        else:
+            tried.append(lever)
+    return tried, not_tried
 
 
 class Advisor:
     """Runs the rungs as children of one MLflow run (`parent_id`) and keeps what they measured."""
 
-    def __init__(self, cfg, steps: int, parent_id: str, run_fn: Callable, log: Callable[[str], None]):
+    def __init__(self, cfg, steps: int, parent_id: str, run_fn: Callable, log: Callable[[str], None],
+                 allow: Sequence[str] = ()):
         self.cfg, self.steps, self.parent_id, self.run_fn, self.log = cfg, steps, parent_id, run_fn, log
         self.cuda = _is_cuda(cfg)  # the rungs run on CUDA
+        self.allow = tuple(allow)  # levers that change the training, allowed by the user
 
     def sized(self, cfg, name: str, window: int = 0):
         """The rung's job: `steps` timed steps after the job's warm-up (one, for a rung that takes a
@@ -331,10 +539,11 @@ class Advisor:
         configured, why = self.measure(cfg, "configured")
         if configured is None:
             raise ConfigError(f"the run as configured failed: {why}")
-        ladder = Ladder(configured=configured["ms_per_step"], graphed=bool(cfg.engine.cuda_graph) and self.cuda,
-                        strategy=cfg.loader.name)
+        ladder = Ladder(configured=configured["ms_per_step"], graphed=bool(OmegaConf.select(cfg, LEVERS["graph"])) and self.cuda,
+                        strategy=cfg.loader.name, workers=cfg.loader.num_workers,
+                        cores=_cores(configured))
         ceiling = with_loader(cfg, "gpu_resident", shuffle=False, drop_last=True)  # views of resident data
-        eager, why = self.measure(with_values(ceiling, **{"engine.cuda_graph": False}), "ceiling, eager")
+        eager, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager")
         if eager is None:
             ladder.missing["ceiling"] = why
         else:
@@ -343,11 +552,13 @@ class Advisor:
         if not self.cuda:
             ladder.missing["ceiling, graphed"] = "no CUDA: a CUDA graph needs a GPU"
         elif eager is not None:
-            graphed, why = self.measure(with_values(ceiling, **{"engine.cuda_graph": True}), "ceiling, graphed")
+            graphed, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: True}), "ceiling, graphed")
             if graphed is None:
                 ladder.missing["ceiling, graphed"] = why
             else:
                 ladder.ceiling_graphed = graphed["ms_per_step"]
+        if eager is not None:
+            self._step_levers(ladder, ceiling)
         feed, why = self.measure(noop_feed(cfg), "feed alone")
         if feed is None:
             ladder.missing["feed"] = why
@@ -355,6 +566,28 @@ class Advisor:
             ladder.feed = feed["ms_per_step"]
         self._copies(ladder, configured)
         return ladder
+
+    def _step_levers(self, ladder: Ladder, ceiling) -> None:
+        """The step's levers past the graph (STEP_TRIALS), each measured once on top of the fastest
+        step measured so far (or, where that step is graphed and the run fails, on the fastest eager one:
+        an engine may refuse a lever with CUDA graphs)."""
+        tried, not_tried = step_levers(self.cfg, self.allow, self.cuda)
+        ladder.missing.update(not_tried)
+        for lever in tried:
+            rungs = ladder.step_rungs()
+            eager = {s: ms for s, ms in rungs.items() if not ladder.is_graphed(s)}
+            fastest = min(rungs, key=rungs.get)
+            bases = [fastest, min(eager, key=eager.get)] if ladder.is_graphed(fastest) and eager else [fastest]
+            for base in bases:
+                changes = merged(base, setting(**{lever: STEP_TRIALS[lever][1]}))
+                name = step_name(ladder, changes)
+                # The graph set either way: a CPU job may say cuda_graph=true and run eager.
+                job = with_values(with_changes(ceiling, changes), **{LEVERS["graph"]: ladder.is_graphed(changes)})
+                summary, why = self.measure(job, name)
+                if summary is not None:
+                    ladder.steps[changes] = summary["ms_per_step"]
+                    break
+                ladder.missing[name] = why
 
     def _copies(self, ladder: Ladder, configured: dict) -> None:
         """The copy rung: one batch at the pinned peak and the pageable rate, against the achieved."""
@@ -371,25 +604,24 @@ class Advisor:
             rate = configured.get(key, math.nan)
             setattr(ladder, attr, mb * 2**20 / (rate * 1e6) if rate > 0 else math.nan)
 
-    def feeds(self, ladder: Ladder, found: Sequence[Candidate]) -> None:
-        """Measure the feed alone of each change that swaps the strategy or its DataLoader."""
-        for c in found:
-            if c.loader is None or c.loader == "gpu_resident":
-                continue
-            summary, why = self.measure(noop_feed(c.job(self.cfg)), f"feed alone, {' '.join(c.overrides)}")
-            key = " ".join(c.overrides)
+    def feeds(self, ladder: Ladder, found: Dict[Setting, str]) -> None:
+        """Measure the feed alone of each feed-side change (a strategy, a number of workers)."""
+        for changes in found:
+            name = f"feed alone, {' '.join(overrides_of(changes))}"
+            summary, why = self.measure(noop_feed(with_changes(self.cfg, changes)), name)
             if summary is None:
-                ladder.missing[f"feed, {key}"] = why
+                ladder.missing[name] = why
             else:
-                ladder.feeds[key] = summary["ms_per_step"]
+                ladder.feeds[changes] = summary["ms_per_step"]
 
-    def verify(self, changes: Sequence[Change], found: Sequence[Candidate]) -> None:
-        """Run each change as the configured run was run: its measured ms/step."""
-        by_key = {" ".join(c.overrides): c for c in found}
+    def verify(self, changes: Sequence[Change]) -> None:
+        """Run each change as the configured run was run: its measured ms/step (once per configuration)."""
+        measured: Dict[Setting, float] = {}
         for change in changes:
-            summary, _ = self.measure(by_key[" ".join(change.overrides)].job(self.cfg),
-                                      f"verify {' '.join(change.overrides)}")
-            change.measured_ms = summary["ms_per_step"] if summary is not None else math.nan
+            if change.changes not in measured:
+                summary, _ = self.measure(with_changes(self.cfg, change.changes), f"verify {' '.join(change.overrides)}")
+                measured[change.changes] = summary["ms_per_step"] if summary is not None else math.nan
+            change.measured_ms = measured[change.changes]
 
     def kernels(self, ladder: Ladder) -> None:
         """The kernel windows of the configured run and of the eager ceiling (CUDA only), last."""
@@ -400,7 +632,7 @@ class Advisor:
         rungs = {"configured": self.cfg}
         if math.isfinite(ladder.ceiling_eager):
             rungs["ceiling, eager"] = with_values(with_loader(self.cfg, "gpu_resident", shuffle=False, drop_last=True),
-                                                  **{"engine.cuda_graph": False})
+                                                  **{LEVERS["graph"]: False})
         for name, cfg in rungs.items():
             summary, why = self.measure(cfg, f"kernels of {name}", window=window)
             if summary is None or not math.isfinite(summary.get("gpu_kernel_ms_per_step", math.nan)):
@@ -408,6 +640,18 @@ class Advisor:
             else:
                 ladder.kernels[name] = {k: summary[k] for k in ("gpu_kernel_ms_per_step", "gpu_kernel_busy_fraction",
                                                                  "launch_gap_ms", "h2d_overlapped_by_kernels_fraction")}
+
+
+def step_name(ladder: Ladder, changes: Setting) -> str:
+    """A step rung's name: `ceiling, graphed, engine.optimizer.fused=true`."""
+    rest = overrides_of(tuple((k, v) for k, v in changes if k != "graph"))
+    return ", ".join(["ceiling", "graphed" if ladder.is_graphed(changes) else "eager", *rest])
+
+
+def _cores(configured: dict) -> int:
+    """The CPU cores the configured run was given: its own `host_cores`, else this process's."""
+    cores = configured.get("host_cores", math.nan)
+    return int(cores) if cores > 0 else available_cores()
 
 
 def tolerance(ceiling: dict) -> float:
@@ -423,20 +667,23 @@ def _is_cuda(cfg) -> bool:
 
 
 # ----------------------------------------------------------------------------- the answer
-def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str) -> str:
-    """The advice in a few lines (also `advice.md`)."""
+def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str, top: Optional[Change] = None) -> str:
+    """The advice in a few lines (also `advice.md`): the best configuration first."""
     t = ladder.configured
     kind = "graphed" if ladder.graphed else "eager"
     rows = [(f"configured (loader={ladder.strategy}, {kind})", _ms(t)),
             ("step fed from the device, eager", _ms(ladder.ceiling_eager)),
-            ("step fed from the device, graphed", _ms(ladder.ceiling_graphed)),
-            (f"feed alone (loader={ladder.strategy}, no model)", _ms(ladder.feed))]
+            ("step fed from the device, graphed", _ms(ladder.ceiling_graphed))]
+    rows += [(f"step fed from the device, {step_name(ladder, s)[len('ceiling, '):]}", _ms(ms)) for s, ms in ladder.steps.items()]
+    rows.append((f"feed alone (loader={ladder.strategy}, no model)", _ms(ladder.feed)))
+    rows += [(f"feed alone ({' '.join(overrides_of(s))}, no model)", _ms(ms)) for s, ms in ladder.feeds.items()]
     if math.isfinite(ladder.batch_mb):
         rows += [(f"copy of one batch ({ladder.batch_mb:.1f} MiB), achieved", _ms(ladder.copy_achieved)),
                  ("  the same at the pinned peak", _ms(ladder.copy_pinned)),
                  ("  the same at the pageable rate", _ms(ladder.copy_pageable))]
     width = max(len(label) for label, _ in rows)
-    lines = [f"bound: {verdict.bound} — {verdict.reason}", "", f"ladder (ms/step, {gpu}):"]
+    lines = [*best_lines(ladder, verdict, top), "", f"bound: {verdict.bound} — {verdict.reason}", "",
+             f"ladder (ms/step, {gpu}):"]
     lines += [f"  {label.ljust(width)}  {value}" for label, value in rows]
     for name, k in ladder.kernels.items():
         lines.append(f"  kernels of {name}: {k['gpu_kernel_ms_per_step']:.3f} ms/step, busy "
@@ -452,10 +699,8 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
     if changes:
         lines.append("changes (predicted ms/step):")
         for i, c in enumerate(changes, 1):
-            verified = (f"   measured {c.measured_ms:.3f} ({(c.measured_ms / c.predicted_ms - 1):+.0%})"
-                        if math.isfinite(c.measured_ms) else "")
             lines.append(f"  {i}. {' '.join(c.overrides):34s} {c.predicted_ms:8.3f}  ({t / c.predicted_ms:.2f}x: "
-                         f"{c.why}){verified}")
+                         f"{c.why}){_verified(c, '   ')}")
     else:
         lines.append("changes: none predicted to save more than the tolerance: the step itself sets the pace "
                      "(a faster model or a larger batch would)" if verdict.bound == "compute"
@@ -467,6 +712,29 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
     return "\n".join(lines)
 
 
+def best_lines(ladder: Ladder, verdict: Verdict, top: Optional[Change]) -> List[str]:
+    """The best configuration: its overrides on one line, then its prediction and its bounds."""
+    if top is None:
+        if verdict.bound == "none":
+            return ["best: unknown — rungs that contradict each other predict nothing"]
+        return [f"best: as configured — nothing the ladder measured is predicted to save more than the tolerance "
+                f"({ladder.tolerance:.0%})"]
+    through = f"bounds {' → '.join(top.chain)}" if len(top.chain) > 1 else f"bound: {top.chain[0]} throughout"
+    lines = [f"best: {' '.join(top.overrides)}",
+             f"  {top.predicted_ms:.3f} ms/step predicted ({ladder.configured / top.predicted_ms:.2f}x), "
+             f"{through}{_verified(top, '; ')}"]
+    if top.changes_training:
+        lines.append(f"  changes the training: {' '.join(top.changes_training)} (autocast: the loss and the weights "
+                     f"it reaches differ from the configured run's)")
+    return lines
+
+
+def _verified(change: Change, sep: str) -> str:
+    if not math.isfinite(change.measured_ms):
+        return ""
+    return f"{sep}measured {change.measured_ms:.3f} ({(change.measured_ms / change.predicted_ms - 1):+.0%})"
+
+
 def _ms(value: float) -> str:
     return f"{value:8.3f}" if math.isfinite(value) else "       —"
 
@@ -475,7 +743,22 @@ def _fraction(value: float) -> str:
     return f"{value:.2f}" if math.isfinite(value) else "— (no copy)"
 
 
-def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change]) -> Dict[str, float]:
+def _slug(changes: Setting) -> str:
+    """A Setting in a metric's name: `graphed_fused`, `workers2`, `pinned_chunk`."""
+    parts = []
+    for lever, value in changes:
+        if lever == "graph":
+            parts.append("graphed" if value else "eager")
+        elif lever == "workers":
+            parts.append(f"workers{value}")
+        elif isinstance(value, bool):
+            parts.append(lever if value else f"no_{lever}")
+        else:
+            parts.append(str(value) if lever in ("strategy", "precision") else f"{lever}_{value}")
+    return "_".join(parts)
+
+
+def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Optional[Change] = None) -> Dict[str, float]:
     """The ladder as the advice run's metrics (nan ones left out: not measured)."""
     out = {"ladder.configured_ms": ladder.configured, "ladder.ceiling_eager_ms": ladder.ceiling_eager,
            "ladder.ceiling_graphed_ms": ladder.ceiling_graphed, "ladder.feed_ms": ladder.feed,
@@ -483,19 +766,26 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change]) -> Dict
            "ladder.copy_pageable_ms": ladder.copy_pageable, "ladder.batch_mb": ladder.batch_mb,
            "ladder.modelled_ms": modelled(ladder), "tolerance": ladder.tolerance,
            "feeding_costs_ms": verdict.feeding_costs_ms, "launch_costs_ms": verdict.launch_costs_ms}
+    for s, ms in ladder.steps.items():
+        out[f"ladder.ceiling_{_slug(merged(setting(graph=ladder.is_graphed(s)), s))}_ms"] = ms  # ceiling_graphed_fused_ms
+    for s, ms in ladder.feeds.items():
+        out[f"ladder.feed_{_slug(s)}_ms"] = ms
     for name, k in ladder.kernels.items():
         for key, value in k.items():
             out[f"kernels.{name.replace(', ', '_')}.{key}"] = value
     for i, c in enumerate(changes, 1):
         out[f"change{i}.predicted_ms"], out[f"change{i}.measured_ms"] = c.predicted_ms, c.measured_ms
+    if top is not None:
+        out["best.predicted_ms"], out["best.measured_ms"] = top.predicted_ms, top.measured_ms
     return {k: float(v) for k, v in out.items() if math.isfinite(v)}
 
 
 # ----------------------------------------------------------------------------- the command
 def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn: Optional[Callable] = None,
-           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr)) -> dict:
-    """Measure, judge, recommend (and verify), recorded as one MLflow run (tagged with the job's
-    `overrides`); returns {run_id, bound, changes, text, ladder}."""
+           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr), allow: Sequence[str] = ()) -> dict:
+    """Measure, judge, search and recommend (and verify), recorded as one MLflow run (tagged with
+    the job's `overrides`); `allow`: levers that change the training, searched too (`precision`).
+    Returns {run_id, bound, best, changes, text, ladder}."""
     if run_fn is None:
         from trainer.loop.run import run as run_fn  # here: the rungs are runs of the loop
     check_tracking_uri(cfg.tracking.uri)
@@ -511,21 +801,22 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
     parent_id = parent.info.run_id
     status = RunStatus.to_string(RunStatus.FAILED)
     try:
-        advisor = Advisor(cfg, steps, parent_id, run_fn, log)
+        advisor = Advisor(cfg, steps, parent_id, run_fn, log, allow)
         log(f"advise: measuring the ladder ({steps} timed steps a rung; runs nested under {parent_id})")
         ladder = advisor.ladder()
         verdict = judge(ladder)
-        found = candidates(ladder, verdict, cfg.loader)
-        advisor.feeds(ladder, found)
-        changes = recommend(ladder, found)
+        advisor.feeds(ladder, feed_changes(ladder, verdict))
+        options = reachable(ladder, verdict)
+        top, changes = best(ladder, verdict, options), recommend(ladder, options)
         if verify:
-            advisor.verify(changes, found)
+            advisor.verify([*([top] if top else []), *changes])
         advisor.kernels(ladder)
         gpu = _gpu_name() if advisor.cuda else "CPU"
-        text = render(ladder, verdict, changes, gpu)
-        _record(client, parent_id, ladder, verdict, changes, text)
+        text = render(ladder, verdict, changes, gpu, top)
+        _record(client, parent_id, ladder, verdict, changes, top, text)
         status = RunStatus.to_string(RunStatus.FINISHED)
-        return {"run_id": parent_id, "bound": verdict.bound, "changes": changes, "text": text, "ladder": ladder}
+        return {"run_id": parent_id, "bound": verdict.bound, "best": top, "changes": changes, "text": text,
+                "ladder": ladder}
     except KeyboardInterrupt as stop:
         status = RunStatus.to_string(RunStatus.KILLED)
         stop.advice_run_id = parent_id  # for the command's one line
@@ -534,12 +825,18 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         client.set_terminated(parent_id, status)
 
 
-def _record(client, run_id: str, ladder: Ladder, verdict: Verdict, changes: Sequence[Change], text: str) -> None:
+def _record(client, run_id: str, ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Optional[Change],
+            text: str) -> None:
     now = int(time.time() * 1000)
-    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics(ladder, verdict, changes).items()])
+    client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics(ladder, verdict, changes, top).items()])
     client.set_tag(run_id, "bound", verdict.bound)
     for i, c in enumerate(changes, 1):
         client.set_tag(run_id, f"change{i}", " ".join(c.overrides))
+    if top is not None:
+        client.set_tag(run_id, "best", " ".join(top.overrides))
+        client.set_tag(run_id, "best.chain", " → ".join(top.chain))
+        if top.changes_training:
+            client.set_tag(run_id, "best.changes_training", " ".join(top.changes_training))
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "advice.md"
         path.write_text(f"# What bounds this run\n\n```\n{text}\n```\n\nThe rules: docs/advisor.md.\n")
@@ -554,8 +851,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """The command line: bad input is one line and exit 1, a Ctrl-C or SIGTERM one line and exit
     130 or 143 (the advice run and the rung then running closed as KILLED), as `python -m trainer`."""
     p = argparse.ArgumentParser(prog="python -m trainer.advise", description=__doc__.splitlines()[0])
-    p.add_argument("--verify", action="store_true", help="run each recommended change and print its measured ms/step")
+    p.add_argument("--verify", action="store_true",
+                   help="run the best configuration and each recommended change, and print their measured ms/step")
     p.add_argument("--steps", type=int, default=300, help="timed steps of each rung, after the job's warm-up (default 300)")
+    p.add_argument("--allow", action="append", default=[], choices=CHANGES_TRAINING,
+                   help="also measure and propose a lever that changes the training (precision: engine.precision=bf16)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m trainer")
     p.error = lambda message: _refuse(f"{message}: see python -m trainer.advise --help")
     # Overrides on both sides of an option (`loader=pinned --steps 10 loader.batch_size=512`): plain
@@ -575,7 +875,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
             print(f"error: {line}", file=sys.stderr)
             return 1
-        result = advise(cfg, args.steps, args.verify, args.overrides)
+        result = advise(cfg, args.steps, args.verify, args.overrides, allow=args.allow)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
@@ -589,7 +889,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if before is not None:
             signal.signal(signal.SIGTERM, before)
     print(result["text"])
-    print(f"(MLflow run {result['run_id']}: tag bound, the ladder as metrics, advice.md)")
+    print(f"(MLflow run {result['run_id']}: tags bound and best, the ladder as metrics, advice.md)")
     return 0
 
 
