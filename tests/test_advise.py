@@ -440,11 +440,13 @@ def simulated_gpu(cfg) -> dict:
     """A run's summary on a made-up GPU, from its config alone: seed 000's workload fed by a
     DataLoader (5 ms a batch alone), its eager step 0.6 ms fed from the device, 0.2 graphed."""
     loader, model, graphed = cfg.loader.name, cfg.model.name, cfg.engine.cuda_graph
+    if graphed and cfg.engine.compile != "off":  # as the engine refuses it
+        raise ConfigError(f"engine.compile={cfg.engine.compile} cannot be used with engine.cuda_graph=true")
     feeds = {"baseline": 5.0, "pinned": 3.0, "prefetch": 3.0, "pinned_chunk": 0.4, "gpu_resident": 0.01}
     feed = 2.5 if cfg.loader.num_workers else feeds[loader]
     step = 0.2 if graphed else 0.6
-    # An engine with the keys (tests add them): the fused optimizer saves 0.03 ms, compiling 0.05.
-    step -= 0.03 * bool(cfg.engine.optimizer.get("fused", False)) + 0.05 * (cfg.engine.get("compile", "off") != "off")
+    # The fused optimizer saves 0.03 ms, compiling 0.05.
+    step -= 0.03 * (cfg.engine.optimizer.impl == "fused") + 0.05 * (cfg.engine.compile != "off")
     ms = {"noop": feed, "autoencoder": {"baseline": feed + step, "pinned_chunk": 0.9, "gpu_resident": step}[loader]}[model]
     if loader == "gpu_resident" and cfg.loader.shuffle:
         ms += 0.02  # the gather of a shuffled batch
@@ -475,24 +477,30 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     assert (ladder_.configured, ladder_.ceiling_eager, ladder_.ceiling_graphed, ladder_.feed) == (5.6, 0.6, 0.2, 5.0)
     assert ladder_.copy_achieved == 2.0 and ladder_.copy_pinned == pytest.approx(16 * 2**20 / 50e6)
     # Feeding costs 5 ms a step, launching 0.4; the copy is 2 of the feed's 5: the host is the bound.
-    assert result["bound"] == "input" and list(ladder_.missing) == ["precision"]  # (not allowed: said, not measured)
+    # Compile is refused on a graphed step, as the engine refuses it: measured on the eager one instead, and said.
+    assert result["bound"] == "input" and sorted(ladder_.missing) == [
+        "ceiling, graphed, engine.compile=default, engine.optimizer.impl=fused", "precision"]  # (precision not allowed: said)
     assert ladder_.missing["precision"] == ("not tried: it changes the training; --allow precision measures "
                                             "engine.precision=bf16")
     assert [(c.overrides, round(c.predicted_ms, 3), c.measured_ms) for c in result["changes"]] == [
         (["loader=gpu_resident"], 0.6, 0.62),
         (["loader=pinned_chunk"], round(0.6 + (1 - 0.2 / 0.6) * 0.4, 3), 0.9),  # its feed beside the eager step's host share
         (["loader.num_workers=4"], 3.1, 2.5 + 0.6)]  # the in-line copy still takes turns with the step
-    # Past the feed, the eager step's launches bound it: the best configuration removes both.
+    # Past the feed, the eager step's launches bound it, then its own kernels: the best configuration
+    # removes the first two and takes the fused optimizer's 0.03 ms (compile, refused with the graph, saves less).
     top = result["best"]
-    assert (top.overrides, top.predicted_ms, top.measured_ms) == (["loader=gpu_resident", "engine.cuda_graph=true"], 0.2, 0.22)
-    assert result["text"].splitlines()[:2] == ["best: loader=gpu_resident engine.cuda_graph=true",
-                                               "  0.200 ms/step predicted (28.00x), bounds input → launch → compute; "
-                                               "measured 0.220 (+10%)"]
+    assert (top.overrides, top.predicted_ms, top.measured_ms) == (
+        ["loader=gpu_resident", "engine.cuda_graph=true", "engine.optimizer.impl=fused"], pytest.approx(0.17), 0.19)
+    assert result["text"].splitlines()[:2] == ["best: loader=gpu_resident engine.cuda_graph=true engine.optimizer.impl=fused",
+                                               "  0.170 ms/step predicted (32.94x), bounds input → launch → compute; "
+                                               "measured 0.190 (+12%)"]
     # Timing rungs first, without a window; the kernel windows last, one timed step each.
     names = [name for name, _, _ in asked]
-    assert names[:4] == ["advise: configured", "advise: ceiling, eager", "advise: ceiling, graphed", "advise: feed alone"]
-    assert "advise: verify loader=gpu_resident engine.cuda_graph=true" in names
-    assert not [n for n in names if "compile" in n or "fused" in n]  # an engine without their keys: not measured
+    assert names[:3] == ["advise: configured", "advise: ceiling, eager", "advise: ceiling, graphed"]
+    assert "advise: feed alone" in names
+    assert "advise: verify loader=gpu_resident engine.cuda_graph=true engine.optimizer.impl=fused" in names
+    assert {"advise: ceiling, graphed, engine.optimizer.impl=fused",  # the step's levers, on the fastest step so far
+            "advise: ceiling, eager, engine.compile=default"} <= set(names)
     assert names[-2:] == ["advise: kernels of configured", "advise: kernels of ceiling, eager"]
     assert all(window == 0 and steps == 105 for _, steps, window in asked[:-2])
     assert all(window == 20 and steps == 6 for _, steps, window in asked[-2:])
@@ -501,45 +509,36 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
     assert metrics["ladder.ceiling_graphed_ms"] == 0.2 and metrics["change3.measured_ms"] == pytest.approx(3.1)
     assert metrics["kernels.configured.launch_gap_ms"] == 0.4
-    assert (metrics["best.predicted_ms"], metrics["best.measured_ms"]) == (0.2, 0.22)
+    assert (metrics["best.predicted_ms"], metrics["best.measured_ms"]) == (pytest.approx(0.17), 0.19)
     tags = MlflowClient(tracking_uri).get_run(result["run_id"]).data.tags
-    assert (tags["best"], tags["best.chain"]) == ("loader=gpu_resident engine.cuda_graph=true", "input → launch → compute")
+    assert (tags["best"], tags["best.chain"]) == ("loader=gpu_resident engine.cuda_graph=true engine.optimizer.impl=fused",
+                                                   "input → launch → compute")
     assert "best.changes_training" not in tags and metrics["ladder.feed_workers4_ms"] == 2.5
 
 
-def test_compile_and_the_fused_optimizer_are_searched_where_the_engine_has_their_keys(tracking_uri, monkeypatch):
-    """With `engine.compile` and `engine.optimizer.fused` in the config, each is measured once on
-    top of the fastest step so far (the graphed one, then graphed and fused), and the best
-    configuration takes what they save."""
+def test_compile_and_the_fused_optimizer_are_measured_on_the_fastest_step_they_run_with(tracking_uri, monkeypatch):
+    """On a GPU, `engine.optimizer.impl=fused` is measured on top of the fastest step so far (the
+    graphed one); `engine.compile=default`, which the engine refuses with its own CUDA graph, is
+    measured on the eager step instead and the refusal is said; the best configuration takes what
+    the measured rungs save."""
     monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
     monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
     cfg = compose_config(*TINY_NOOP[1:-1], "model=autoencoder", f"tracking.uri={tracking_uri}")
-    cfg = OmegaConf.create(OmegaConf.to_container(cfg))  # untyped: keys this engine's schema does not have yet
-    cfg.engine.compile, cfg.engine.optimizer.fused = "off", False  # the keys of an engine that has them
     asked = []
     result = advisor.advise(cfg, steps=4, verify=False, run_fn=lambda job: asked.append(job.tracking.run_name) or
                             simulated_gpu(job), log=lambda line: None)
-    assert {"advise: ceiling, graphed, engine.optimizer.fused=true",
-            "advise: ceiling, graphed, engine.compile=default, engine.optimizer.fused=true"} <= set(asked)
-    top = result["best"]
-    assert top.overrides == ["loader=gpu_resident", "engine.cuda_graph=true", "engine.compile=default",
-                             "engine.optimizer.fused=true"]
-    assert top.predicted_ms == pytest.approx(0.2 - 0.03 - 0.05) and top.chain == ["input", "launch", "compute"]
-    metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
-    assert metrics["ladder.ceiling_graphed_fused_ms"] == pytest.approx(0.17)
-    assert metrics["ladder.ceiling_graphed_compile_default_fused_ms"] == pytest.approx(0.12)
-
-    def refuses_compile_with_graph(job):  # an engine that cannot compile a graphed step
-        if job.engine.compile != "off" and job.engine.cuda_graph:
-            raise ConfigError("engine.compile=default cannot be used with engine.cuda_graph=true")
-        return simulated_gpu(job)
-
-    result = advisor.advise(cfg, steps=4, verify=False, run_fn=refuses_compile_with_graph, log=lambda line: None)
-    ladder_ = result["ladder"]  # compile measured on the eager step instead, and said
+    assert {"advise: ceiling, graphed, engine.optimizer.impl=fused",
+            "advise: ceiling, eager, engine.compile=default"} <= set(asked)
+    ladder_ = result["ladder"]
     assert ladder_.steps[setting(compile="default")] == pytest.approx(0.55)
-    assert ladder_.missing["ceiling, graphed, engine.compile=default, engine.optimizer.fused=true"].startswith(
+    assert ladder_.missing["ceiling, graphed, engine.compile=default, engine.optimizer.impl=fused"].startswith(
         "engine.compile=default cannot be used")
-    assert result["best"].overrides == ["loader=gpu_resident", "engine.cuda_graph=true", "engine.optimizer.fused=true"]
+    top = result["best"]
+    assert top.overrides == ["loader=gpu_resident", "engine.cuda_graph=true", "engine.optimizer.impl=fused"]
+    assert top.predicted_ms == pytest.approx(0.2 - 0.03) and top.chain == ["input", "launch", "compute"]
+    metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
+    assert metrics["ladder.ceiling_graphed_optimizer_fused_ms"] == pytest.approx(0.17)
+    assert metrics["ladder.ceiling_eager_compile_default_ms"] == pytest.approx(0.55)
 
 
 # ----------------------------------------------------------------------------- the tuner

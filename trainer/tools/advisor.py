@@ -69,7 +69,7 @@ LEVERS = {
     "workers": "loader.num_workers",  # DataLoader worker processes
     "graph": "engine.cuda_graph",  # the step captured once as a CUDA graph, replayed
     "compile": "engine.compile",  # torch.compile of the step (off | default | reduce-overhead | max-autotune)
-    "fused": "engine.optimizer.fused",  # the optimizer's fused implementation
+    "optimizer": "engine.optimizer.impl",  # the optimizer's implementation (default | for-loop | foreach | fused)
     "precision": "engine.precision",  # autocast dtype: changes the training
 }
 FEED_LEVERS = ("strategy", "workers")  # how batches arrive: measured by a feed alone (model=noop)
@@ -77,13 +77,13 @@ FEED_LEVERS = ("strategy", "workers")  # how batches arrive: measured by a feed 
 # once on top of the fastest step so far, at the tried value: `default` compile (reduce-overhead
 # captures CUDA graphs, as the graph lever does; max-autotune compiles for minutes, too long for
 # a ladder), bf16 (fp16 cannot be graphed).
-STEP_TRIALS = {"fused": (False, True), "compile": ("off", "default"), "precision": ("fp32", "bf16")}
-CUDA_ONLY = ("compile", "fused")  # a CPU ladder does not measure them (no kernels to fuse or launch)
+STEP_TRIALS = {"optimizer": ("default", "fused"), "compile": ("off", "default"), "precision": ("fp32", "bf16")}
+CUDA_ONLY = ("compile", "optimizer")  # a CPU ladder does not measure them (no kernels to fuse or launch)
 CHANGES_TRAINING = ("precision",)  # proposed only with `--allow <lever>`, and said to change the training
 # The lever values of a feed alone: no model to graph or compile.
 FEED_ALONE = {"graph": False, "compile": STEP_TRIALS["compile"][0]}
 # Which levers remove which bound (the chain of bounds a configuration goes through).
-REMOVES = {"input": FEED_LEVERS, "copy": FEED_LEVERS, "launch": ("graph",), "compute": ("compile", "fused", "precision")}
+REMOVES = {"input": FEED_LEVERS, "copy": FEED_LEVERS, "launch": ("graph",), "compute": ("compile", "optimizer", "precision")}
 
 # Changes to the job, lever by lever: ((lever, value), ...) in LEVERS' order; () is the job itself.
 Setting = Tuple[Tuple[str, object], ...]
@@ -312,7 +312,7 @@ def describe(ladder: Ladder, lever: str, value) -> str:
     return {"workers": f"{value} DataLoader worker processes",
             "graph": "the step replayed as one CUDA graph" if value else "the step launched eagerly",
             "compile": f"the step compiled (torch.compile, mode {value})",
-            "fused": "the optimizer's fused implementation",
+            "optimizer": "the optimizer's fused implementation",
             "precision": f"autocast to {value}: changes the training"}[lever]
 
 
@@ -643,7 +643,7 @@ class Advisor:
 
 
 def step_name(ladder: Ladder, changes: Setting) -> str:
-    """A step rung's name: `ceiling, graphed, engine.optimizer.fused=true`."""
+    """A step rung's name: `ceiling, graphed, engine.optimizer.impl=fused`."""
     rest = overrides_of(tuple((k, v) for k, v in changes if k != "graph"))
     return ", ".join(["ceiling", "graphed" if ladder.is_graphed(changes) else "eager", *rest])
 
@@ -744,7 +744,7 @@ def _fraction(value: float) -> str:
 
 
 def _slug(changes: Setting) -> str:
-    """A Setting in a metric's name: `graphed_fused`, `workers2`, `pinned_chunk`."""
+    """A Setting in a metric's name: `graphed_optimizer_fused`, `workers2`, `pinned_chunk`."""
     parts = []
     for lever, value in changes:
         if lever == "graph":
@@ -767,7 +767,7 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Op
            "ladder.modelled_ms": modelled(ladder), "tolerance": ladder.tolerance,
            "feeding_costs_ms": verdict.feeding_costs_ms, "launch_costs_ms": verdict.launch_costs_ms}
     for s, ms in ladder.steps.items():
-        out[f"ladder.ceiling_{_slug(merged(setting(graph=ladder.is_graphed(s)), s))}_ms"] = ms  # ceiling_graphed_fused_ms
+        out[f"ladder.ceiling_{_slug(merged(setting(graph=ladder.is_graphed(s)), s))}_ms"] = ms  # ceiling_graphed_optimizer_fused_ms
     for s, ms in ladder.feeds.items():
         out[f"ladder.feed_{_slug(s)}_ms"] = ms
     for name, k in ladder.kernels.items():
