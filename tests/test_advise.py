@@ -571,34 +571,72 @@ def test_loader_knobs_are_suggested_only_where_a_strategy_has_them():
     assert set(knobs("baseline", **{"loader.num_workers": 0})) == {"loader"}  # without workers they change nothing
 
 
-def fail_the_second_trial(cfg, trial) -> None:
-    """The study test's search space: trial 1 asks for -1 DataLoader workers, which no run accepts."""
+def fail_two_trials(cfg, trial) -> None:
+    """The study test's search space: trial 1 asks for -1 DataLoader workers, which no run accepts;
+    trial 2 for one batch of the whole dataset, so its one step is warm-up and it times nothing
+    (no objective, which Optuna refuses as nan)."""
     if trial.number == 1:
         trial.suggest_categorical("loader.num_workers", [-1])
+    elif trial.number == 2:
+        trial.suggest_categorical("loader.batch_size", [256])
     else:
         trial.suggest_categorical("loader.drop_last", [False])
 
 
-def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, tracking_uri):
+def test_an_optuna_study_survives_failed_trials_and_reports_the_best(tmp_path, tracking_uri, capsys):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
-    cmd = [sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=3",
-           "hydra.sweeper.params.loader=baseline", "hydra.sweeper.custom_search_space=test_advise.fail_the_second_trial",
-           *TINY_NOOP, "engine.max_steps=4", f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    # One epoch of 256 samples: 4 batches of the default 64, the first one warm-up.
+    cmd = [sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=4",
+           "hydra.sweeper.params.loader=baseline", "hydra.sweeper.custom_search_space=test_advise.fail_two_trials",
+           "model=noop", "dataset.num_samples=256", "dataset.shape=[8,8]", "engine.max_steps=0", "engine.epochs=1",
+           "engine.warmup_steps=1", "engine.device=cpu", f"tracking.uri={tracking_uri}",
+           f"hydra.sweep.dir={tmp_path / 'multirun'}"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     client = MlflowClient(tracking_uri)
     exp = client.get_experiment_by_name("tune_dataloader")
     found = client.search_runs([exp.experiment_id])
     (parent,) = [r for r in found if r.data.tags.get("sweep") == "true"]
     trials = {r.data.tags["sweep.job"]: r for r in found if r is not parent}
-    assert sorted(trials) == ["0", "1", "2"] and trials["1"].info.status == "FAILED"
-    assert trials["0"].info.status == trials["2"].info.status == "FINISHED"
-    best = max((trials["0"], trials["2"]), key=lambda r: r.data.metrics["throughput_samples_per_s"])
+    assert sorted(trials) == ["0", "1", "2", "3"]  # the study went on after each failed trial
+    assert [trials[j].info.status for j in "0123"] == ["FINISHED", "FAILED", "FAILED", "FINISHED"]
+    assert "loader.num_workers must be >= 0" in trials["1"].data.tags["error"]
+    assert trials["2"].data.tags["error"].startswith(
+        "RunFailed: engine.objective=throughput_samples_per_s was not measured, and a study ranks its trials by it: "
+        "engine.warmup_steps=1 covers all 1 steps of this trial")
+    assert trials["2"].data.metrics["timed_steps"] == 0 and "throughput_samples_per_s" not in trials["2"].data.metrics
+    best = max((trials["0"], trials["3"]), key=lambda r: r.data.metrics["throughput_samples_per_s"])
     assert parent.data.tags["best_run_id"] == best.info.run_id
-    assert f"best: job {best.data.tags['sweep.job']} (run {best.info.run_id}): throughput_samples_per_s=" in proc.stdout
+    line = (f"best: job {best.data.tags['sweep.job']} (run {best.info.run_id}): throughput_samples_per_s="
+            f"{best.data.metrics['throughput_samples_per_s']:.6g} with loader.batch_size=64 loader.num_workers=0")
+    assert line in proc.stdout.splitlines()  # the swept values that tell the best from the failed trials
     results = OmegaConf.load(tmp_path / "multirun" / "optimization_results.yaml")  # Optuna's own answer agrees
     assert results.best_value == pytest.approx(best.data.metrics["throughput_samples_per_s"])
+    from trainer.report import main as report
+    assert report(["--uri", tracking_uri]) == 0  # the table again, read back from the store
+    table = capsys.readouterr().out.splitlines()
+    statuses = {row.split()[0]: row.split()[3] for row in table[3:7]}  # job, batch size, workers, status
+    assert statuses == {"0": "FINISHED", "1": "FAILED", "2": "FAILED", "3": "FINISHED"} and table[-1] == line
+
+
+def fail_every_trial(cfg, trial) -> None:
+    trial.suggest_categorical("loader.num_workers", [-1])
+
+
+def test_a_study_whose_every_trial_failed_ends_in_one_line(tmp_path, tracking_uri):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    cmd = [sys.executable, "-m", "trainer", "-m", "experiment=tune_dataloader", "hydra.sweeper.n_trials=1",
+           "hydra.sweeper.params.loader=baseline", "hydra.sweeper.custom_search_space=test_advise.fail_every_trial",
+           *TINY_NOOP, "engine.max_steps=4", f"tracking.uri={tracking_uri}", f"hydra.sweep.dir={tmp_path / 'multirun'}"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith("error: the study completed none of its trials: every one failed")
+    (parent,) = [r for r in MlflowClient(tracking_uri).search_runs(_experiments(tracking_uri))
+                 if r.data.tags.get("sweep") == "true"]
+    assert parent.info.status == "FAILED" and parent.data.tags["failed_jobs"] == "1"  # closed, with its table
 
 
 @pytest.mark.parametrize("override, line", [
@@ -606,6 +644,8 @@ def test_an_optuna_study_survives_a_failed_trial_and_reports_the_best(tmp_path, 
     ("loader.batch_size=1000", r"loader.batch_size must be <= 96, the samples in dataset=synthetic \(got 1000\): set "
                                r"loader.batch_size=64 or dataset.num_samples>=1000"),
     ("engine.precision=fp16", r"engine.precision=fp16 needs a GPU: .*: set engine.precision=bf16 .*"),  # (engine.device=cpu)
+    ("engine.warmup_steps=4", r"engine.warmup_steps=4 covers all 4 steps of each trial, so none is timed \(timed_steps=0\): "
+                              r"set engine.max_steps above 4 or engine.warmup_steps below 4"),  # no objective to rank
 ])
 def test_a_config_error_every_trial_would_hit_is_refused_once_before_the_study(tmp_path, tracking_uri, override, line):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")

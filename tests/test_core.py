@@ -150,10 +150,11 @@ def test_interpolations_are_resolved_once_before_the_run(tiny_cfg, runs):
     assert (r.data.metrics["total_steps"], r.data.metrics["total_samples"]) == (3, 24)  # three one-batch epochs
 
 
-def test_a_run_that_is_all_warm_up_says_so_and_times_nothing(tiny_cfg, runs, capsys):
-    summary = run(tiny_cfg("engine.epochs=3", "engine.warmup_steps=50"))
+@pytest.mark.parametrize("warmup", [50, 18])  # past the last step, or ending with it (a timed region of no step)
+def test_a_run_that_is_all_warm_up_says_so_and_times_nothing(tiny_cfg, runs, capsys, warmup):
+    summary = run(tiny_cfg("engine.epochs=3", f"engine.warmup_steps={warmup}"))
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert len(err) == 1 and "engine.warmup_steps=50" in err[0] and "18 steps" in err[0] and "timed_steps=0" in err[0]
+    assert len(err) == 1 and f"engine.warmup_steps={warmup}" in err[0] and "18 steps" in err[0] and "timed_steps=0" in err[0]
     assert summary["timed_steps"] == 0 and summary["total_steps"] == 18
     assert "throughput_samples_per_s" not in summary and "ms_per_step" not in summary
     (r,) = runs()

@@ -51,6 +51,7 @@ try:  # one line, no traceback
     from trainer.errors import EXIT_FAILED, ConfigError, Interrupted, RunFailed, argument_error_line
     from trainer.loop.run import run
     from trainer.tools.turns import pause_if_asked
+    from trainer.tracking.sweep import is_study
 except KeyboardInterrupt:
     _interrupted.append(signal.SIGINT)
 if _interrupted:
@@ -86,7 +87,9 @@ def closed(err: BaseException, status: str) -> str:
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg) -> float:
     try:
-        summary = run(cfg, on_timed_start=[pause_if_asked])  # under trainer.tools.turns: stop where the timed region begins
+        summary = run(cfg, on_timed_start=[pause_if_asked],  # under trainer.tools.turns: stop where the timed region begins
+                      # a study's trial without its objective fails (a test may call main without Hydra)
+                      needs_objective=HydraConfig.initialized() and is_study(HydraConfig.get()))
     except (ConfigError, RunFailed) as err:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
@@ -100,7 +103,8 @@ def main(cfg) -> float:
         if distributed.is_main_process() or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         raise SystemExit(EXIT_FAILED) from None  # another rank's crash: rank 0 reports it, from the store
-    # What a Hydra sweeper optimises (experiment=tune_dataloader): nan when the run lacks the figure.
+    # What a Hydra sweeper optimises (experiment=tune_dataloader); nan when the run lacks the
+    # figure, outside a study (whose trial fails without it, above: Optuna refuses a nan).
     return float(summary.get(cfg.engine.objective, math.nan))
 
 
@@ -184,9 +188,13 @@ def _missing_primary_config(err: MissingConfigException) -> str:
 def _sweep_error(err: Exception) -> str | None:
     """An error while the sweeper expands the overrides into jobs (`loader=range(1,3)`,
     `range(1,3,0)`, `interval(1,3)`): Hydra raises it bare, naming no override. The override is
-    read from the frames it passed through: the sweeper's, and the innermost holding an Override."""
+    read from the frames it passed through: the sweeper's, and the innermost holding an Override.
+    Or a study's end when every trial failed: Optuna has no best trial to give."""
     frames = list(_frames(err))
     sweep = next((f for f in frames if f.f_code.co_name == "sweep" and isinstance(f.f_locals.get("self"), Sweeper)), None)
+    if sweep is not None and isinstance(err, ValueError) and str(err) == "No trials are completed yet.":
+        return ("the study completed none of its trials: every one failed, each a FAILED run of the sweep (its error: "
+                "python -m trainer.report --run <its run id>): fix what they failed on and run the study again")
     inner = next((f.f_locals["override"] for f in reversed(frames) if isinstance(f.f_locals.get("override"), Override)),
                  None)
     if sweep is None or inner is None:

@@ -193,7 +193,10 @@ class StepMeter:
 
     def _result(self, rows: List[dict], copy_spans: Optional[list]) -> MeterResult:
         summary = {"setup_s": self.setup_s, "total_steps": len(rows), "total_samples": sum(r["samples"] for r in rows)}
-        if self.clock.t0 is None:  # warm-up covered every step: nothing was timed
+        # Warm-up covered every step: nothing was timed (a region started after the last step, when
+        # warm-up ends there, holds no step: figures over it would be a throughput of 0 and a step
+        # as long as one sync).
+        if self.clock.t0 is None or self._timed_from >= len(rows):
             summary["timed_steps"] = 0
             return MeterResult(rows=rows, summary=summary)
         wall_s, faults, cpu_s, end_unix = self.clock.timed_span()

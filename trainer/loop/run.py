@@ -27,7 +27,7 @@ import torch
 from datasets import build_dataset
 from models import build_model
 from trainer.config import COMPILE_GRAPH_MODES
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunFailed
 from trainer.loaders import build_loader
 from trainer.loop.distributed import Ranks
 from trainer.loop.engine import planned_steps
@@ -100,10 +100,12 @@ def loop_named(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None) -> dict:
+def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, needs_objective: bool = False) -> dict:
     """One experiment: returns the summary metrics (also logged to MLflow). `on_timed_start`: what
     to call where the timed region begins (a harness's pause, `trainer.tools.turns`). `dataset`: a
-    harness's dataset already built from `cfg.dataset`, shared by its runs (`trainer.tools.rounds`)."""
+    harness's dataset already built from `cfg.dataset`, shared by its runs (`trainer.tools.rounds`).
+    `needs_objective`: the run is a study's trial, ranked by `engine.objective`: one that did not
+    measure it fails (RunFailed, the run closed FAILED) instead of finishing without it."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
     with ranks.agree():  # several ranks: a bad value on any of them stops them all, printed once
         job = validate(cfg)  # the typed sections each part is built from
@@ -135,6 +137,9 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None) ->
                     journal.close()
                 _close(parts.loader, error)
             summary, error = record(parts, tracker, ranks, error)
+            if error is None and needs_objective:  # a study's trial: closed FAILED without its objective
+                with ranks.agree():
+                    check_objective(cfg.engine, summary)
             if error is not None:
                 raise error
     except KeyboardInterrupt as stopped:  # closed KILLED: it says what it measured, as a finished run does
@@ -332,12 +337,32 @@ def _closed_trace(profiler: StepProfiler, error: Optional[BaseException]) -> Opt
         return None
 
 
+def untimed(planned: int, warmup: int, what: str = "this run") -> Optional[str]:
+    """The line saying that the warm-up covers all `planned` steps of `what`, so none is timed; None
+    when some step is timed."""
+    if planned > warmup:
+        return None
+    return (f"engine.warmup_steps={warmup} covers all {planned} steps of {what}, so none is timed (timed_steps=0): "
+            f"set engine.max_steps above {warmup} or engine.warmup_steps below {planned}")
+
+
 def warn_untimed(planned: int, warmup: int) -> None:
     """A run whose warm-up covers all of its steps times nothing: say so (it records timed_steps=0)."""
-    if planned <= warmup:
-        print(f"warning: engine.warmup_steps={warmup} covers all {planned} steps of this run, so none is timed "
-              f"(timed_steps=0): set engine.max_steps above {warmup} or engine.warmup_steps below {planned}",
-              file=sys.stderr)
+    line = untimed(planned, warmup)
+    if line is not None:
+        print(f"warning: {line}", file=sys.stderr)
+
+
+def check_objective(engine, summary: dict) -> None:
+    """A study ranks its trials by `engine.objective`: a trial that did not measure it (nan or
+    missing: nothing timed, a GPU figure on the CPU) failed, whatever else it recorded. Optuna
+    takes no nan as a trial's value."""
+    name = engine.objective
+    if not math.isnan(summary.get(name, math.nan)):
+        return
+    why = untimed(summary.get("total_steps", 0), engine.warmup_steps, "this trial")
+    raise RunFailed(f"engine.objective={name} was not measured, and a study ranks its trials by it: "
+                    + (why or f"this run has no {name} (nan): set engine.objective=throughput_samples_per_s"))
 
 
 def warn_compile_timed(compile: str, warmup: int, graphs: bool) -> None:

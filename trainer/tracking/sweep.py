@@ -35,7 +35,7 @@ from datasets import DATASETS, build_dataset
 from trainer.tracking.journal import owner_tags
 from trainer.errors import EXIT_FAILED, ConfigError
 from trainer.loop import distributed, faults
-from trainer.loop.run import check_precision, select_device
+from trainer.loop.run import check_precision, select_device, untimed
 from trainer.tracking import plots, report
 from trainer.tracking.runs import child_identity, job_value
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, flatten, store_errors
@@ -103,6 +103,14 @@ def check_datasets(config: DictConfig) -> None:
             raise SystemExit(EXIT_FAILED) from None
 
 
+def is_study(hydra: DictConfig) -> bool:
+    """Whether the multirun is a study: a sampler's sweeper (Hydra's Optuna sweeper) that ranks its
+    trials by the value each job returns, not Hydra's basic sweeper, which runs a list of jobs.
+    `hydra`: the `hydra` section (`HydraConfig.get()`)."""
+    return (hydra.mode == RunMode.MULTIRUN
+            and not OmegaConf.select(hydra, "sweeper._target_", default="").endswith(".BasicSweeper"))
+
+
 def check_trials(config: DictConfig) -> None:
     """A sampler's study (Hydra's Optuna sweeper, `experiment=tune_dataloader`) draws its trials
     from `hydra.sweeper.params` until `n_trials`: a config error that every trial would hit (an
@@ -112,7 +120,7 @@ def check_trials(config: DictConfig) -> None:
     checked as `run` checks it before opening a run: when all of them fail, the first one's error
     ends the sweep here, in one line, before the study. Hydra's basic sweeper is left alone: its
     jobs are final and each reports its own error once."""
-    if OmegaConf.select(config, "hydra.sweeper._target_", default="").endswith(".BasicSweeper"):
+    if not is_study(config.hydra):
         return
     try:
         listed = [o for o in _overrides(config) if not o.is_sweep_override() or o.is_discrete_sweep()]
@@ -141,11 +149,16 @@ def check_trials(config: DictConfig) -> None:
 
 def refusal(cfg: DictConfig, datasets: dict) -> Optional[ConfigError]:
     """The ConfigError `run` would raise for `cfg` before its first step (its values, its device
-    and precision, its batch against its dataset), or None. `datasets`: those built so far, by
-    section: each is built once."""
+    and precision, its batch against its dataset), or None; and one for a warm-up that covers every
+    step, which a trial fails on (nothing timed, no objective: `check_objective`). `datasets`:
+    those built so far, by section: each is built once."""
     try:
         with contextlib.redirect_stderr(io.StringIO()):  # a job's warnings are the job's to print
             job = validate(cfg)
+            # A length in steps is every strategy's; in epochs it is the strategy's batches (its trials say).
+            line = untimed(job.engine.max_steps, job.engine.warmup_steps, "each trial") if job.engine.max_steps else None
+            if line is not None:
+                raise ConfigError(line)
             check_precision(job.engine.precision, select_device(job.engine.device))
             key = OmegaConf.to_yaml(cfg.dataset, resolve=True)
             if key not in datasets:
