@@ -88,7 +88,8 @@ def engine_block(batches: Batches, steps: int, warmup: int, device: torch.device
 
 
 def parts_block(batches: Batches, steps: int, warmup: int, device: torch.device, parts: int) -> float:
-    """µs per step of the plain loop with the first `parts` of `PARTS` called as the engine's loop calls them."""
+    """µs per step of the plain loop with the first `parts` of `PARTS` called as the engine's loop calls them.
+    (Its own copy of `plain_block`'s loop: the plain one stays bare, with no test per part in it.)"""
     meter = StepMeter(device, warmup, capacity=steps + warmup, gpu_timing_every=EngineConfig.gpu_timing_every,
                       copies_ahead=1)
     clock, sampler, log = meter.clock, meter.sampler, meter.loss_log

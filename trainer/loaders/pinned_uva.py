@@ -219,6 +219,8 @@ class PinnedUvaLoader(DeviceLoader):
         queued behind them on the side stream, and no step reads them)."""
         self.free.extend(slot for _, _, slot, _ in self.pending)
         self.pending.clear()
+        if self.tuning is not None:
+            self.tuning.realign()
 
     def _device_pass(self, epoch: int) -> Iterator:
         if not (self.pending and self.pending[0][:2] == (epoch, 0)):  # not gathered ahead: first or abandoned pass
@@ -413,6 +415,13 @@ class BlockTuning:
         self.gathers = self.handed = 0  # batches gathered, and waited for, so far
         self.start = self.SKIP  # the window's first batch
         self.before: Optional[tuple] = None  # (blocks, median ms between steps) of the window before a doubling
+
+    def realign(self) -> None:
+        """The gathers not handed out were dropped (an abandoned pass): the next batch gathered is
+        the next one handed out, and a window under way starts again from it."""
+        self.handed = self.gathers
+        if self.start < self.gathers:
+            self.start = self.gathers
 
     def gathered(self, side) -> None:
         """After a batch's gather, on the side stream."""
