@@ -5,7 +5,7 @@
 #   hand   the loop a user writes: zero_grad, loss, backward, step, and under a CUDA graph a graph
 #          captured by hand as PyTorch's docs show.
 #
-#   bash benchmarks/overhead.sh                  # the whole table in one command (about 4 minutes on an H200)
+#   bash benchmarks/overhead.sh                  # the whole table in one command (295 s on an H200)
 #   bash benchmarks/overhead.sh --rounds 8       # more rounds for the host-bound rows (about 8 minutes)
 #   bash benchmarks/overhead.sh --limit-s 500    # its own time limit (default 330 s; the rows done are kept)
 #   bash benchmarks/overhead.sh --processes [--quick] [--part dataloader|eager|gather|graphed]
