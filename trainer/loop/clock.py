@@ -8,6 +8,7 @@ every process on the machine shares: the steps of several runs line up (`trainer
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import time
@@ -55,6 +56,9 @@ class HostClock:
         self.t_end: Optional[float] = None
         self.t_end_unix = 0.0
         self.usage_end: Optional[tuple] = None
+        # The loop thread's own CPU time at both ends (`time.thread_time`: this thread only, none of
+        # the DataLoader's worker processes or pin thread): what the loop's thread did per step.
+        self.thread0 = self.thread_end = math.nan
 
     def reserve(self, n: int) -> None:
         """Room for `n` more steps (a copy of what is there: before the loop, or rarely past its plan)."""
@@ -77,10 +81,11 @@ class HostClock:
 
     # -- the timed region -------------------------------------------------------------------------
     def start_timed(self) -> None:
-        self.t0, self.usage0 = time.perf_counter(), host_usage()
+        self.t0, self.usage0, self.thread0 = time.perf_counter(), host_usage(), time.thread_time()
 
     def end_timed(self) -> None:
         self.t_end, self.t_end_unix, self.usage_end = time.perf_counter(), time.time(), host_usage()
+        self.thread_end = time.thread_time()
 
     def timed_span(self) -> tuple:
         """(wall seconds, page faults, CPU seconds, wall-clock end) of the timed region: up to
@@ -90,3 +95,8 @@ class HostClock:
         else:
             t1, t1_unix, usage1 = self.t_end, self.t_end_unix, self.usage_end
         return t1 - self.t0, usage1[0] - self.usage0[0], usage1[1] - self.usage0[1], t1_unix
+
+    def loop_thread_cpu_s(self) -> float:
+        """CPU seconds of the thread that started and ended the timed region, over it (nan before
+        it ended: another thread, e.g. a signal's, would read its own clock)."""
+        return self.thread_end - self.thread0

@@ -200,7 +200,8 @@ class StepMeter:
             summary["timed_steps"] = 0
             return MeterResult(rows=rows, summary=summary)
         wall_s, faults, cpu_s, end_unix = self.clock.timed_span()
-        summary.update(summarise(rows[self._timed_from:], wall_s, faults, cpu_s, copy_spans))
+        summary.update(summarise(rows[self._timed_from:], wall_s, faults, cpu_s, copy_spans,
+                                 loop_cpu_s=self.clock.loop_thread_cpu_s()))
         # When, by the clock, the timed region ran: a comparison marks jobs timed at once on one device.
         summary.update(timed_start_unix_s=end_unix - wall_s, timed_end_unix_s=end_unix)
         return MeterResult(rows=rows, summary=summary)

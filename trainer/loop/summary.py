@@ -29,9 +29,10 @@ T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
 
 
 def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0.0,
-              copy_spans: Optional[Sequence[Tuple[float, float]]] = ()) -> Dict[str, float]:
+              copy_spans: Optional[Sequence[Tuple[float, float]]] = (), loop_cpu_s: float = math.nan) -> Dict[str, float]:
     """Figures over the timed steps `rows`, which took `wall_s` seconds and cost the process
-    `faults` minor page faults and `cpu_s` CPU seconds. `copy_spans`: `(start, end)` of each timed
+    `faults` minor page faults and `cpu_s` CPU seconds, `loop_cpu_s` of them on the loop's own
+    thread (nan: not read). `copy_spans`: `(start, end)` of each timed
     copy on the reference clock of `_busy` (None: unknown, `h2d_beside_step_fraction` is nan).
     Rows with a `lightning_ms` column (the Lightning loop) add `lightning_fraction` and its median."""
     wall_ms = max(wall_s * 1e3, 1e-9)
@@ -46,6 +47,9 @@ def summarise(rows: List[dict], wall_s: float, faults: int = 0, cpu_s: float = 0
         "h2d_beside_step_fraction": math.nan if copy_spans is None else beside_step_fraction(rows, copy_spans),
         "host_page_faults_per_step": faults / steps,
         "host_cpu_ms_per_step": cpu_s * 1e3 / steps,
+        # The loop thread's busy time per step: what its own work (launching, the feed's work in
+        # `next`, a copy it waits on) costs; a wait on workers or on the device that sleeps is not in it.
+        "loop_thread_cpu_ms_per_step": loop_cpu_s * 1e3 / steps,
         "host_cpu_s_per_wall_s": cpu_s / (wall_ms / 1e3),  # 1: one core's worth all along; less: the process waited
         "timed_wall_s": wall_s,
         "timed_steps": len(rows),

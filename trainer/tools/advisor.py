@@ -78,7 +78,8 @@ FEED_LEVERS = ("strategy", "workers")  # how batches arrive: measured by a feed 
 # captures CUDA graphs, as the graph lever does; max-autotune compiles for minutes, too long for
 # a ladder), bf16 (fp16 cannot be graphed).
 STEP_TRIALS = {"optimizer": ("default", "fused"), "compile": ("off", "default"), "precision": ("fp32", "bf16")}
-CUDA_ONLY = ("compile", "optimizer")  # a CPU ladder does not measure them (no kernels to fuse or launch)
+CUDA_ONLY = ("compile", "optimizer")
+GRAPH_EXCLUSIVE = ("compile",)  # the engine refuses engine.compile with engine.cuda_graph=true  # a CPU ladder does not measure them (no kernels to fuse or launch)
 CHANGES_TRAINING = ("precision",)  # proposed only with `--allow <lever>`, and said to change the training
 # The lever values of a feed alone: no model to graph or compile.
 FEED_ALONE = {"graph": False, "compile": STEP_TRIALS["compile"][0]}
@@ -126,6 +127,11 @@ class Ladder:
     ceiling_eager: float = field(default_factory=_nan)
     ceiling_graphed: float = field(default_factory=_nan)
     feed: float = field(default_factory=_nan)
+    # The feed alone's work on the loop's own thread (its `loop_thread_cpu_ms_per_step`): the part
+    # of `feed` that an eager step's launches take turns with; the rest (DataLoader workers) runs beside.
+    feed_loop: float = field(default_factory=_nan)
+    configured_wait: float = field(default_factory=_nan)  # the configured run's wait for batches, ms/step
+    configured_spread: float = 0.0  # the configured run's own 95% interval, half its width over its ms/step
     copy_achieved: float = field(default_factory=_nan)  # the configured run's copies (median, CUDA events)
     copy_pinned: float = field(default_factory=_nan)  # one batch at the pinned peak
     copy_pageable: float = field(default_factory=_nan)  # one batch at the pageable rate
@@ -135,6 +141,7 @@ class Ladder:
     cores: int = 0  # the CPU cores the configured run was given (its `host_cores`)
     kernels: Dict[str, Dict[str, float]] = field(default_factory=dict)  # rung -> its kernel window's figures
     feeds: Dict[Setting, float] = field(default_factory=dict)  # a feed-side change -> its feed alone
+    feeds_loop: Dict[Setting, float] = field(default_factory=dict)  # the same, its work on the loop's thread
     steps: Dict[Setting, float] = field(default_factory=dict)  # a step-side change past the graph -> its ceiling
     missing: Dict[str, str] = field(default_factory=dict)  # rung -> why it was not measured
 
@@ -190,10 +197,13 @@ class Change:
 
 
 # ----------------------------------------------------------------------------- the model
-def predict(step_ms: float, feed_ms: float, serial: float) -> float:
+def predict(step_ms: float, feed_ms: float, serial: float, loop_ms: float = math.nan) -> float:
     """ms/step of a loop whose step alone takes `step_ms` and whose feed alone takes `feed_ms`,
-    a share `serial` (0..1) of the shorter one not overlapping the longer one."""
-    return max(step_ms, feed_ms) + serial * min(step_ms, feed_ms)
+    `loop_ms` of it on the loop's own thread (nan: all of it): a share `serial` (0..1) of the
+    feed's work on the loop's thread (or of the step, if shorter) does not overlap the longer one.
+    Work of DataLoader workers runs beside the loop: it bounds the pace (the max), it adds nothing."""
+    own = min(loop_ms, feed_ms) if math.isfinite(loop_ms) else feed_ms
+    return max(step_ms, feed_ms) + serial * min(step_ms, own)
 
 
 def eager_host_share(eager_ms: float, graphed_ms: float) -> float:
@@ -218,7 +228,34 @@ def serial_share(ladder: Ladder, strategy: str, graphed: bool) -> float:
 
 def modelled(ladder: Ladder) -> float:
     """What the model gives for the run as configured (against `configured`: how far to trust it)."""
-    return predict(ladder.ceiling, ladder.feed, serial_share(ladder, ladder.strategy, ladder.graphed))
+    return predict(ladder.ceiling, ladder.feed, serial_share(ladder, ladder.strategy, ladder.graphed), ladder.feed_loop)
+
+
+def miss_tolerance(ladder: Ladder) -> float:
+    """How far the run may be from the model and still be explained by it: the rungs' tolerance,
+    or the configured run's own 95% interval where wider (a run on a host whose speed moves)."""
+    return max(ladder.tolerance, ladder.configured_spread)
+
+
+def disagreeing_rung(ladder: Ladder) -> str:
+    """Which rung the run disagrees with most, in words: the feed (the run's wait for its batches
+    against the feed alone) or the step (the rest of the run's step against its ceiling)."""
+    wait, step = ladder.configured_wait, ladder.configured - ladder.configured_wait
+    feed_off = wait / ladder.feed - 1 if math.isfinite(wait) and ladder.feed > 0 else math.nan
+    step_off = step / ladder.ceiling - 1 if math.isfinite(step) and ladder.ceiling > 0 else math.nan
+    if not (math.isfinite(feed_off) or math.isfinite(step_off)):
+        return ""
+    if math.isfinite(feed_off) and (not math.isfinite(step_off) or abs(feed_off) > abs(step_off)):
+        slowed = " (the loader slowed beside the step: cores, caches or the clock shared)" if feed_off > 0 else ""
+        return (f"the feed: in the run it waited {wait:.3g} ms for each batch, against {ladder.feed:.3g} for the feed "
+                f"alone{slowed}")
+    return (f"the step: in the run it took {step:.3g} ms a step besides the wait for batches, against {ladder.ceiling:.3g} "
+            "fed from the device")
+
+
+def cautioned(ladder: Ladder, verdict: Verdict) -> bool:
+    """The run is further from the model than its tolerance (and a verdict was given)."""
+    return verdict.bound != "none" and abs(model_miss(ladder)) > miss_tolerance(ladder)
 
 
 def model_miss(ladder: Ladder) -> float:
@@ -358,7 +395,8 @@ def predicted(ladder: Ladder, feed: Setting, step: Setting) -> float:
         serial = 0.0
     else:  # the eager step's host share, against the same step graphed where that was measured
         serial = eager_host_share(step_ms, steps.get(ladder.flip(step, True), ladder.ceiling_graphed))
-    return predict(step_ms, feed_of(ladder, feed), serial)
+    loop = ladder.feed_loop if not feed else ladder.feeds_loop.get(feed, math.nan)
+    return predict(step_ms, feed_of(ladder, feed), serial, loop)
 
 
 def reachable(ladder: Ladder, verdict: Verdict) -> List[Change]:
@@ -541,7 +579,8 @@ class Advisor:
             raise ConfigError(f"the run as configured failed: {why}")
         ladder = Ladder(configured=configured["ms_per_step"], graphed=bool(OmegaConf.select(cfg, LEVERS["graph"])) and self.cuda,
                         strategy=cfg.loader.name, workers=cfg.loader.num_workers,
-                        cores=_cores(configured))
+                        cores=_cores(configured), configured_wait=_wait(configured),
+                        configured_spread=_spread(configured))
         ceiling = with_loader(cfg, "gpu_resident", shuffle=False, drop_last=True)  # views of resident data
         eager, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager")
         if eager is None:
@@ -563,7 +602,7 @@ class Advisor:
         if feed is None:
             ladder.missing["feed"] = why
         else:
-            ladder.feed = feed["ms_per_step"]
+            ladder.feed, ladder.feed_loop = feed["ms_per_step"], _loop_ms(feed)
         self._copies(ladder, configured)
         return ladder
 
@@ -578,6 +617,8 @@ class Advisor:
             eager = {s: ms for s, ms in rungs.items() if not ladder.is_graphed(s)}
             fastest = min(rungs, key=rungs.get)
             bases = [fastest, min(eager, key=eager.get)] if ladder.is_graphed(fastest) and eager else [fastest]
+            if lever in GRAPH_EXCLUSIVE:  # the engine refuses it with its own graph: its eager base only
+                bases = [b for b in bases if not ladder.is_graphed(b)]
             for base in bases:
                 changes = merged(base, setting(**{lever: STEP_TRIALS[lever][1]}))
                 name = step_name(ladder, changes)
@@ -612,7 +653,7 @@ class Advisor:
             if summary is None:
                 ladder.missing[name] = why
             else:
-                ladder.feeds[changes] = summary["ms_per_step"]
+                ladder.feeds[changes], ladder.feeds_loop[changes] = summary["ms_per_step"], _loop_ms(summary)
 
     def verify(self, changes: Sequence[Change]) -> None:
         """Run each change as the configured run was run: its measured ms/step (once per configuration)."""
@@ -646,6 +687,24 @@ def step_name(ladder: Ladder, changes: Setting) -> str:
     """A step rung's name: `ceiling, graphed, engine.optimizer.impl=fused`."""
     rest = overrides_of(tuple((k, v) for k, v in changes if k != "graph"))
     return ", ".join(["ceiling", "graphed" if ladder.is_graphed(changes) else "eager", *rest])
+
+
+def _loop_ms(summary: dict) -> float:
+    """A feed alone's work on the loop's thread per step (nan where the run did not read it)."""
+    ms = summary.get("loop_thread_cpu_ms_per_step", math.nan)
+    return ms if ms > 0 else math.nan
+
+
+def _wait(summary: dict) -> float:
+    """The run's wait for batches, ms per step."""
+    return summary.get("data_wait_fraction", math.nan) * summary.get("ms_per_step", math.nan)
+
+
+def _spread(summary: dict) -> float:
+    """Half the run's 95% interval of ms/step over its ms/step (0: no interval)."""
+    low, high, ms = (summary.get(k, math.nan) for k in ("ms_per_step_ci_low", "ms_per_step_ci_high", "ms_per_step"))
+    half = (high - low) / 2 / ms if ms > 0 else math.nan
+    return half if math.isfinite(half) else 0.0
 
 
 def _cores(configured: dict) -> int:
@@ -689,12 +748,16 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
         lines.append(f"  kernels of {name}: {k['gpu_kernel_ms_per_step']:.3f} ms/step, busy "
                      f"{k['gpu_kernel_busy_fraction']:.2f} of the wall, launch gaps {k['launch_gap_ms']:.3f} ms/step, "
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
-    lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}")
+    lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}"
+                 + (f", {miss_tolerance(ladder):.0%} against the run (its own interval)"
+                    if miss_tolerance(ladder) > ladder.tolerance else ""))
     miss = model_miss(ladder)
-    if abs(miss) > ladder.tolerance and verdict.bound != "none":  # (no verdict: its line says why)
+    if cautioned(ladder, verdict):  # (no verdict: its line says why)
+        rung = disagreeing_rung(ladder)
         lines.append(f"  caution: the run measured {miss:+.0%} against the model, more than the tolerance: the rungs "
-                     "do not explain it (the host's speed may have changed between them: run again on a quiet "
-                     "machine), so take the verdict and the predictions as leads")
+                     "do not explain it, so take the verdict and the predictions as leads"
+                     + (f"; the rung it disagrees with most is {rung}" if rung else
+                        " (the host's speed may have changed between them: run again on a quiet machine)"))
     lines.append("")
     if changes:
         lines.append("changes (predicted ms/step):")
@@ -764,7 +827,9 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Op
            "ladder.ceiling_graphed_ms": ladder.ceiling_graphed, "ladder.feed_ms": ladder.feed,
            "ladder.copy_achieved_ms": ladder.copy_achieved, "ladder.copy_pinned_peak_ms": ladder.copy_pinned,
            "ladder.copy_pageable_ms": ladder.copy_pageable, "ladder.batch_mb": ladder.batch_mb,
+           "ladder.feed_loop_thread_ms": ladder.feed_loop, "ladder.configured_wait_ms": ladder.configured_wait,
            "ladder.modelled_ms": modelled(ladder), "tolerance": ladder.tolerance,
+           "ladder.model_miss": model_miss(ladder), "ladder.miss_tolerance": miss_tolerance(ladder),
            "feeding_costs_ms": verdict.feeding_costs_ms, "launch_costs_ms": verdict.launch_costs_ms}
     for s, ms in ladder.steps.items():
         out[f"ladder.ceiling_{_slug(merged(setting(graph=ladder.is_graphed(s)), s))}_ms"] = ms  # ceiling_graphed_optimizer_fused_ms
@@ -830,6 +895,7 @@ def _record(client, run_id: str, ladder: Ladder, verdict: Verdict, changes: Sequ
     now = int(time.time() * 1000)
     client.log_batch(run_id, metrics=[Metric(k, v, now, 0) for k, v in metrics(ladder, verdict, changes, top).items()])
     client.set_tag(run_id, "bound", verdict.bound)
+    client.set_tag(run_id, "caution", str(cautioned(ladder, verdict)).lower())
     for i, c in enumerate(changes, 1):
         client.set_tag(run_id, f"change{i}", " ".join(c.overrides))
     if top is not None:

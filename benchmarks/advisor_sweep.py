@@ -1,0 +1,101 @@
+"""The exhaustive sweep the advisor's best configuration is checked against: for each workload of
+`advisor_workloads.py`, every loader strategy × CUDA graph (off, on) × the optimizer's
+implementation (the job's, fused), each run as the advisor's rungs are (this process, the job's
+warm-up, then `--steps` timed steps), a job met twice (the reference workloads share their grid)
+run once. The fastest row of each workload goes beside the advisor's best in the table
+(`advisor_table.py --render`). One process; no job started past `--deadline` seconds.
+
+    python benchmarks/advisor_sweep.py            # writes outputs/advisor_sweep.json and .md
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import itertools
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from advisor_workloads import ROOT, WORKLOADS, compose, ensure_data, time_limit
+
+STRATEGIES = ("baseline", "pinned", "prefetch", "pinned_chunk", "pinned_gather", "pinned_uva", "gpu_resident")
+GRAPH = (False, True)
+OPTIMIZER = ("default", "fused")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=60, help="timed steps a job (default 60)")
+    p.add_argument("--deadline", type=float, default=330, help="start no job past this many seconds")
+    p.add_argument("--job-limit", type=float, default=30, help="seconds a job may take before it is stopped")
+    p.add_argument("--out", default=str(ROOT / "outputs" / "advisor_sweep.json"))
+    p.add_argument("--only", default="", help="comma-separated workload numbers (1-8), default all")
+    args = p.parse_args()
+    start = time.perf_counter()
+    from omegaconf import OmegaConf, open_dict
+
+    from trainer.tools.advisor import LEVERS, overrides_of, setting, with_changes
+    from trainer.loop.run import run
+    ensure_data()
+    uri = f"sqlite:///{(ROOT / 'outputs' / 'advisor_sweep.db').resolve()}"
+    out = Path(args.out)
+    chosen = {int(i) for i in args.only.split(",") if i} or set(range(1, len(WORKLOADS) + 1))
+    results, seen = {}, {}
+    for number, (label, _, _, overrides) in enumerate(WORKLOADS, 1):
+        if number not in chosen:
+            continue
+        base = compose([*overrides, f"tracking.uri={uri}"])
+        rows = []
+        for strategy, graph, optimizer in itertools.product(STRATEGIES, GRAPH, OPTIMIZER):
+            changes = setting(strategy=strategy, graph=graph, optimizer=optimizer)
+            job = with_changes(base, changes)
+            with open_dict(job):
+                job.engine.max_steps = job.engine.warmup_steps + args.steps
+                job.engine.kernel_window_steps = 0
+                job.engine.progress, job.engine.quiet = False, True
+                job.tracking.run_name = f"sweep {label}: {' '.join(overrides_of(changes))}"
+            key = OmegaConf.to_yaml({k: v for k, v in job.items() if k != "tracking"})
+            row = {"overrides": " ".join(overrides_of(changes))}
+            if key in seen:
+                row.update(seen[key], shared=True)
+            else:
+                left = args.deadline - (time.perf_counter() - start)
+                if left < 5:
+                    row.update(ms_per_step=None, ended="not run: the deadline")
+                    rows.append(row)
+                    continue
+                began = time.perf_counter()
+                try:
+                    with time_limit(min(args.job_limit, left)):
+                        summary = run(copy.deepcopy(job))
+                    row.update(ms_per_step=summary["ms_per_step"], ended="finished")
+                except KeyboardInterrupt:
+                    row.update(ms_per_step=None, ended="stopped at its time limit")
+                except Exception as e:  # a combination the engine refuses is a row, not the sweep's end
+                    row.update(ms_per_step=None, ended=f"refused: {' '.join(str(e).split())[:160]}")
+                row["s"] = round(time.perf_counter() - began, 1)
+                seen[key] = {k: row[k] for k in ("ms_per_step", "ended")}
+                print(f"  {label}: {row['overrides']}: {row['ms_per_step'] or '—'} ({row['ended']}, {row['s']} s)",
+                      file=sys.stderr, flush=True)
+            rows.append(row)
+        timed = [r for r in rows if r.get("ms_per_step") and math.isfinite(r["ms_per_step"])]
+        fastest = min(timed, key=lambda r: r["ms_per_step"]) if timed else None
+        results[label] = {"fastest": fastest, "rows": rows, "run": len(timed),
+                          "of": len(rows), "lever keys": [LEVERS[k] for k in ("strategy", "graph", "optimizer")]}
+        out.write_text(json.dumps(results, indent=1))
+    lines = ["| workload | jobs timed | fastest | its ms/step | slowest timed ms/step |", "|---|---:|---|---:|---:|"]
+    for label, r in results.items():
+        timed = [row["ms_per_step"] for row in r["rows"] if row.get("ms_per_step")]
+        fast = r["fastest"] or {}
+        lines.append(f"| {label} | {r['run']} of {r['of']} | {fast.get('overrides', '—')} | "
+                     f"{fast.get('ms_per_step', math.nan):.3f} | {max(timed, default=math.nan):.3f} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    print(f"total: {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

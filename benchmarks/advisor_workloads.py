@@ -1,0 +1,73 @@
+"""The eight workloads the advisor is checked on (benchmarks/advisor.sh, advisor_sweep.py), and
+how both scripts compose, time-limit and run them in one process.
+
+Each workload: (label, its advisor's time limit in seconds, timed steps a rung, overrides). The
+data-file workloads read trainer.fake_data's MNIST and CIFAR-10 files under `DATA`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "outputs" / "advisor" / "data"
+VISION = [f"dataset.root={DATA}", "dataset.download=false"]
+
+WORKLOADS: List[Tuple[str, int, int, List[str]]] = [
+    ("reference, baseline", 40, 100, ["experiment=bench_strategies", "loader=baseline"]),
+    ("reference, pinned", 40, 100, ["experiment=bench_strategies", "loader=pinned"]),
+    ("reference, pinned_chunk", 40, 100, ["experiment=bench_strategies", "loader=pinned_chunk"]),
+    ("reference, gpu_resident graphed", 40, 100,
+     ["experiment=bench_strategies", "loader=gpu_resident", "engine.cuda_graph=true"]),
+    ("compute-bound preset", 45, 100, ["experiment=bench_compute_bound"]),
+    # The preset's warm-up is its whole first epoch (938 steps): 50 are enough for the rungs.
+    ("MNIST MLP, baseline, 0 workers", 40, 100,
+     ["experiment=mnist_mlp", "loader=baseline", "loader.num_workers=0", "engine.warmup_steps=50", *VISION]),
+    ("CIFAR-10 resnet18, pinned, 0 workers", 50, 100,
+     ["dataset=cifar10", "dataset.verify_md5=false", "model=torchvision", "model.arch=resnet18", "loader=pinned",
+      "loader.batch_size=64", "loader.num_workers=0", "engine.warmup_steps=50", *VISION]),
+    # 64 workers start anew at each of the reference workload's 15-batch epochs: fewer steps a rung.
+    ("reference, baseline, 64 workers", 60, 50,
+     ["experiment=bench_strategies", "loader=baseline", "loader.num_workers=64"]),
+]
+
+
+def ensure_data() -> None:
+    """trainer.fake_data's MNIST and CIFAR-10 files (random pixels), written once."""
+    from trainer.fake_data import MARKER, write_both
+    if not (DATA / MARKER).is_file():
+        write_both(DATA)
+
+
+def compose(overrides: List[str]):
+    """The config `python -m trainer` would run with these overrides, on CUDA where there is one
+    (elsewhere on the CPU: a check of the scripts, not their figures)."""
+    import torch
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from trainer.config import CONF_DIR
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose("config", overrides=[*overrides, f"engine.device={device}"])
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """SIGTERM to this process after `seconds`: a run in progress is closed KILLED with what it
+    measured (the engine's own handling), and `trainer.errors.Interrupted` ends the block."""
+    from trainer.errors import Interrupted
+
+    def term(signum, frame):
+        raise Interrupted(signum)
+
+    before_term = signal.signal(signal.SIGTERM, term)
+    before_alarm = signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before_alarm)
+        signal.signal(signal.SIGTERM, before_term)
