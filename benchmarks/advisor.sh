@@ -20,12 +20,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p outputs/advisor
 if [ "${1:-}" = "--sweep" ]; then
-  timeout --kill-after=10 350 python benchmarks/advisor_sweep.py
+  timeout --kill-after=10 ${SWEEP_LIMIT_S:-350} python benchmarks/advisor_sweep.py --only 7,1,6,5 ${SWEEP_DEADLINE_S:+--deadline $SWEEP_DEADLINE_S}
   [ -f outputs/advisor.json ] && python benchmarks/advisor_table.py --render
   exit 0
 fi
 rm -f outputs/advisor/mlflow.db
-timeout --kill-after=10 350 python benchmarks/advisor_table.py
+timeout --kill-after=10 ${ADVISOR_LIMIT_S:-340} python benchmarks/advisor_table.py ${ADVISOR_DEADLINE_S:+--deadline $ADVISOR_DEADLINE_S}
 if [ "${1:-}" = "--window-cost" ]; then
   # The window runs after the timed region: engine ÷ plain loop should not move with it.
   for steps in 0 20; do

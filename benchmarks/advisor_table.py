@@ -15,6 +15,8 @@ from pathlib import Path
 
 from advisor_workloads import ROOT, WORKLOADS, compose, ensure_data, time_limit
 
+SHARED_GRID = WORKLOADS[0][0]  # the reference workload's sweep
+
 
 def cell(v) -> str:
     return f"{v:.3f}" if v is not None and math.isfinite(v) else "—"
@@ -45,7 +47,10 @@ def table(done: list, gpu: str, sweep: dict) -> str:
              "|---|---:|---|---:|---|---|---|---:|---:|---:|---|---:|---:|---|---:|---:|---:|---:|"]
     for row in done:
         label, f, took = row["label"], row.get("figures"), row["took"]
-        fast = sweep.get(label, {}).get("fastest") or {}
+        # The reference workloads differ only in the loader and graph the sweep sets: one grid for
+        # all (with 64 workers, its DataLoader rows are slower still: the configured run).
+        grid = sweep.get(label) or (sweep.get(SHARED_GRID) if label.startswith("reference") else None) or {}
+        fast = grid.get("fastest") or {}
         if f is None:
             lines.append(f"| {label} | — | — ({row['ended']}) |" + " — |" * 14 + f" {took:.0f} |")
             continue
@@ -69,7 +74,7 @@ def write(done: list, gpu: str, sweep_path: Path, markdown: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--deadline", type=float, default=330, help="start no workload past this many seconds")
+    p.add_argument("--deadline", type=float, default=320, help="start no workload past this many seconds")
     p.add_argument("--store", default=str(ROOT / "outputs" / "advisor" / "mlflow.db"))
     p.add_argument("--markdown", default=str(ROOT / "outputs" / "advisor.md"))
     p.add_argument("--sweep", default=str(ROOT / "outputs" / "advisor_sweep.json"))
@@ -104,7 +109,8 @@ def main() -> int:
         try:
             cfg = compose([*overrides, f"tracking.uri={uri}"])
             with time_limit(min(limit, left)):
-                result = advise(cfg, steps, verify=True, overrides=overrides)
+                # No kernel windows: they feed no prediction, and the eight must fit one call.
+                result = advise(cfg, steps, verify=True, overrides=overrides, kernels=False)
             row["figures"], row["ended"] = figures(result), "finished"
             print(result["text"], flush=True)
         except KeyboardInterrupt:

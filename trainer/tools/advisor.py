@@ -137,6 +137,7 @@ class Ladder:
     copy_pageable: float = field(default_factory=_nan)  # one batch at the pageable rate
     batch_mb: float = field(default_factory=_nan)
     tolerance: float = MIN_TOLERANCE
+    drift: float = 0.0  # the eager ceiling measured first and last: how far apart, over the faster
     workers: int = 0  # the configured DataLoader workers
     cores: int = 0  # the CPU cores the configured run was given (its `host_cores`)
     kernels: Dict[str, Dict[str, float]] = field(default_factory=dict)  # rung -> its kernel window's figures
@@ -206,10 +207,16 @@ def predict(step_ms: float, feed_ms: float, serial: float, loop_ms: float = math
     return max(step_ms, feed_ms) + serial * min(step_ms, own)
 
 
-def eager_host_share(eager_ms: float, graphed_ms: float) -> float:
-    """The share of an eager step during which the host, launching, sets its pace: what its graph
-    saves (1 - graphed / eager); 1 without a graphed step to compare (on the CPU, one thread does everything)."""
+def eager_host_share(eager_ms: float, graphed_ms: float, tol: float = MIN_TOLERANCE) -> float:
+    """The share of the feed's work on the loop's thread that an eager step does not hide. A step
+    whose graph is faster by more than `tol` is set by its launches: the loop's thread (forward,
+    optimizer) and autograd's (backward, while the loop's thread waits) are busy all along, and the
+    feed's work adds in full (1). A step its graph does not speed up is set by its kernels: the host
+    has the rest of the step free, and only what the graph saves, 1 - graphed / eager (about 0),
+    takes turns. 1 without a graphed step to compare (on the CPU, one thread does everything)."""
     if math.isfinite(graphed_ms) and eager_ms > 0:
+        if eager_ms > (1 + tol) * graphed_ms:
+            return 1.0
         return min(1.0, max(0.0, 1.0 - graphed_ms / eager_ms))
     return 1.0
 
@@ -217,7 +224,7 @@ def eager_host_share(eager_ms: float, graphed_ms: float) -> float:
 def host_share(ladder: Ladder, graphed: bool) -> float:
     """The share of a step during which the host, not the device, sets its pace: feed work on
     the loop's thread cannot overlap it. A graphed step: none; an eager one: `eager_host_share`."""
-    return 0.0 if graphed else eager_host_share(ladder.ceiling_eager, ladder.ceiling_graphed)
+    return 0.0 if graphed else eager_host_share(ladder.ceiling_eager, ladder.ceiling_graphed, ladder.tolerance)
 
 
 def serial_share(ladder: Ladder, strategy: str, graphed: bool) -> float:
@@ -233,8 +240,10 @@ def modelled(ladder: Ladder) -> float:
 
 def miss_tolerance(ladder: Ladder) -> float:
     """How far the run may be from the model and still be explained by it: the rungs' tolerance,
-    or the configured run's own 95% interval where wider (a run on a host whose speed moves)."""
-    return max(ladder.tolerance, ladder.configured_spread)
+    or the configured run's own 95% interval where wider (a run on a host whose speed moves), at
+    most `MAX_TOLERANCE` (the interval of an asynchronous run of a few steps reads the host's clock
+    running ahead of the device, and can span more than the run itself)."""
+    return max(ladder.tolerance, min(ladder.configured_spread, MAX_TOLERANCE))
 
 
 def disagreeing_rung(ladder: Ladder) -> str:
@@ -394,7 +403,7 @@ def predicted(ladder: Ladder, feed: Setting, step: Setting) -> float:
     elif ladder.is_graphed(step):
         serial = 0.0
     else:  # the eager step's host share, against the same step graphed where that was measured
-        serial = eager_host_share(step_ms, steps.get(ladder.flip(step, True), ladder.ceiling_graphed))
+        serial = eager_host_share(step_ms, steps.get(ladder.flip(step, True), ladder.ceiling_graphed), ladder.tolerance)
     loop = ladder.feed_loop if not feed else ladder.feeds_loop.get(feed, math.nan)
     return predict(step_ms, feed_of(ladder, feed), serial, loop)
 
@@ -603,6 +612,15 @@ class Advisor:
             ladder.missing["feed"] = why
         else:
             ladder.feed, ladder.feed_loop = feed["ms_per_step"], _loop_ms(feed)
+        if eager is not None:
+            # The same rung again, last: how far the host's speed moved over the ladder (a host
+            # whose clock or load moves makes the same step 10-30% slower from one run to the next).
+            again, _ = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")
+            if again is not None:
+                first, second = ladder.ceiling_eager, again["ms_per_step"]
+                ladder.drift = abs(second - first) / min(first, second)
+                ladder.ceiling_eager = (first + second) / 2
+                ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
         self._copies(ladder, configured)
         return ladder
 
@@ -749,6 +767,8 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
                      f"{k['gpu_kernel_busy_fraction']:.2f} of the wall, launch gaps {k['launch_gap_ms']:.3f} ms/step, "
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
     lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}"
+                 + (f" (the eager step fed from the device measured first and last {ladder.drift:.0%} apart)"
+                    if ladder.drift > 0 else "")
                  + (f", {miss_tolerance(ladder):.0%} against the run (its own interval)"
                     if miss_tolerance(ladder) > ladder.tolerance else ""))
     miss = model_miss(ladder)
@@ -830,6 +850,7 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Op
            "ladder.feed_loop_thread_ms": ladder.feed_loop, "ladder.configured_wait_ms": ladder.configured_wait,
            "ladder.modelled_ms": modelled(ladder), "tolerance": ladder.tolerance,
            "ladder.model_miss": model_miss(ladder), "ladder.miss_tolerance": miss_tolerance(ladder),
+           "ladder.drift": ladder.drift,
            "feeding_costs_ms": verdict.feeding_costs_ms, "launch_costs_ms": verdict.launch_costs_ms}
     for s, ms in ladder.steps.items():
         out[f"ladder.ceiling_{_slug(merged(setting(graph=ladder.is_graphed(s)), s))}_ms"] = ms  # ceiling_graphed_optimizer_fused_ms
@@ -847,9 +868,11 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Op
 
 # ----------------------------------------------------------------------------- the command
 def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn: Optional[Callable] = None,
-           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr), allow: Sequence[str] = ()) -> dict:
+           log: Callable[[str], None] = lambda line: print(line, file=sys.stderr), allow: Sequence[str] = (),
+           kernels: bool = True) -> dict:
     """Measure, judge, search and recommend (and verify), recorded as one MLflow run (tagged with
-    the job's `overrides`); `allow`: levers that change the training, searched too (`precision`).
+    the job's `overrides`); `allow`: levers that change the training, searched too (`precision`);
+    `kernels=False`: no kernel windows (said under "not measured").
     Returns {run_id, bound, best, changes, text, ladder}."""
     if run_fn is None:
         from trainer.loop.run import run as run_fn  # here: the rungs are runs of the loop
@@ -875,7 +898,10 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         top, changes = best(ladder, verdict, options), recommend(ladder, options)
         if verify:
             advisor.verify([*([top] if top else []), *changes])
-        advisor.kernels(ladder)
+        if kernels:
+            advisor.kernels(ladder)
+        else:
+            ladder.missing["kernels"] = "not asked (--no-kernels)"
         gpu = _gpu_name() if advisor.cuda else "CPU"
         text = render(ladder, verdict, changes, gpu, top)
         _record(client, parent_id, ladder, verdict, changes, top, text)
@@ -919,6 +945,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.advise", description=__doc__.splitlines()[0])
     p.add_argument("--verify", action="store_true",
                    help="run the best configuration and each recommended change, and print their measured ms/step")
+    p.add_argument("--no-kernels", action="store_true",
+                   help="skip the two kernel windows (a few seconds each): the advice without its device-side figures")
     p.add_argument("--steps", type=int, default=300, help="timed steps of each rung, after the job's warm-up (default 300)")
     p.add_argument("--allow", action="append", default=[], choices=CHANGES_TRAINING,
                    help="also measure and propose a lever that changes the training (precision: engine.precision=bf16)")
@@ -941,7 +969,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
             print(f"error: {line}", file=sys.stderr)
             return 1
-        result = advise(cfg, args.steps, args.verify, args.overrides, allow=args.allow)
+        result = advise(cfg, args.steps, args.verify, args.overrides, allow=args.allow, kernels=not args.no_kernels)
     except ConfigError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
