@@ -477,6 +477,7 @@ def test_overhead_loaders_all_is_every_registered_strategy(monkeypatch, capsys):
     assert capsys.readouterr().out.splitlines()[-1].startswith("total: ")
 
 
+@pytest.mark.slow  # the rounds' other cases run by default; the whole table with `-m slow` (and benchmarks/overhead.sh)
 def test_overhead_in_rounds_times_the_engine_and_both_references_in_warm_processes(tmp_path, capsys):
     """`--method rounds` for real, on the CPU: three warm processes, one run of each side a round."""
     from trainer.overhead import main

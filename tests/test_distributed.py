@@ -384,6 +384,7 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     assert int(done.data.tags["verified_batches"]) == int(alone.data.tags["verified_batches"]) == 12
 
 
+@pytest.mark.slow  # the two-rank tests run by default; four ranks with `-m slow`
 def test_torchrun_four_ranks_with_drop_last_train_on_the_one_process_batches(tmp_path, tracking_uri, tiny_cfg):
     """gloo, 4 ranks, 1000 samples in batches of 64 with drop_last, every strategy: the ranks take
     4, 4, 4 and 3 steps over the 960 samples one process trains on (equal epoch checksums), and

@@ -31,7 +31,6 @@ from mlflow.tracking import MlflowClient
 
 from trainer.config import PROJECT_ROOT
 
-pytestmark = pytest.mark.slow
 
 SOURCES = ("pyproject.toml", "README.md", "conf", "trainer", "datasets", "models")
 PACKAGES = ("trainer", "datasets", "models")

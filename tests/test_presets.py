@@ -191,7 +191,9 @@ def preset_sweeps(request, tmp_path_factory, data_root, empty_store):
             future.cancel()  # those a failed test left unstarted
 
 
-@pytest.mark.parametrize("preset", list(RESULTS_PRESETS))
+# copy_4gb's eleven rows take more than a minute on two cores: run with `-m slow`.
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p == "copy_4gb" else p
+                                    for p in RESULTS_PRESETS])
 def test_results_preset_runs_every_combination_on_cpu(preset, data_root, preset_sweeps):
     jobs, tiny = RESULTS_PRESETS[preset]
     tiny = [o.format(root=data_root) for o in tiny]
