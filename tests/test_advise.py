@@ -536,6 +536,38 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     assert "best.changes_training" not in tags and metrics["ladder.feed_workers4_ms"] == 2.5
 
 
+def test_a_feed_alone_slower_than_the_whole_run_is_measured_again(tracking_uri, monkeypatch):
+    """The host slowed while the feed alone ran (28 ms where the whole run took 5.6): rather than no
+    verdict, the feed is measured once more and the faster figure stands; the eager ceiling,
+    measured first and last, gives the drift its tolerance takes in."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    asked, eager = [], iter([0.6, 0.66])
+
+    def run_fn(cfg):
+        name = cfg.tracking.run_name
+        asked.append(name)
+        summary = simulated_gpu(cfg)
+        if name == "advise: feed alone":
+            summary["ms_per_step"] = 28.0
+        if name in ("advise: ceiling, eager", "advise: ceiling, eager, again"):
+            summary["ms_per_step"] = next(eager)
+        return summary
+
+    cfg = compose_config("dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.warmup_steps=5",
+                         f"tracking.uri={tracking_uri}")
+    result = advisor.advise(cfg, steps=10, verify=False, run_fn=run_fn, log=lambda line: None, kernels=False)
+    ladder_ = result["ladder"]
+    assert "advise: feed alone, again" in asked and ladder_.feed == 5.0 and result["bound"] == "input"
+    assert ladder_.drift == pytest.approx(0.1) and ladder_.ceiling_eager == pytest.approx(0.63)
+    assert ladder_.tolerance == pytest.approx(0.1) and "measured first and last 10% apart" in result["text"]
+    assert not any(name.startswith("advise: kernels") for name in asked) and "kernels (not asked" in result["text"]
+    # The eager ceiling once at 14 ms (above the whole run's 5.6), once at 0.6: the faster stands.
+    eager = iter([14.0, 0.6])
+    ladder_ = advisor.advise(cfg, steps=10, verify=False, run_fn=run_fn, log=lambda line: None, kernels=False)["ladder"]
+    assert ladder_.ceiling_eager == 0.6 and ladder_.tolerance == advisor.MAX_TOLERANCE
+
+
 def test_compile_and_the_fused_optimizer_are_measured_on_the_fastest_step_they_run_with(tracking_uri, monkeypatch):
     """On a GPU, `engine.optimizer.impl=fused` is measured on top of the fastest step so far (the
     graphed one); `engine.compile=default`, which the engine refuses with its own CUDA graph, is

@@ -621,6 +621,14 @@ class Advisor:
                 ladder.drift = abs(second - first) / min(first, second)
                 ladder.ceiling_eager = (first + second) / 2
                 ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
+                if _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
+                    ladder.ceiling_eager = min(first, second)  # the step at its best: a part of the run
+        if feed is not None and _contradiction(ladder) and ladder.feed > ladder.configured:
+            # A feed alone slower than the whole run is a host that slowed while it ran (seen: the
+            # same feed 4.2 ms in one ladder, 28 in the next): once more, and the faster stands.
+            again, _ = self.measure(noop_feed(cfg), "feed alone, again")
+            if again is not None and again["ms_per_step"] < ladder.feed:
+                ladder.feed, ladder.feed_loop = again["ms_per_step"], _loop_ms(again)
         self._copies(ladder, configured)
         return ladder
 
