@@ -10,12 +10,14 @@ For the composed config it measures, in this process on this device, a short lad
                       then with each of the step's other levers (STEP_TRIALS: the optimizer's
                       fused implementation, torch.compile, bf16 with --allow precision) on top
                       of the fastest step so far, where the engine has their keys
-    feed              the configured loader with no model (model=noop): how fast batches come,
-                      and the same for each feed-side change (another strategy, more or fewer workers)
+    feed              the configured loader with no model (model=noop): how fast batches come (and
+                      how much of that is the loop thread's own work), and the same for each
+                      feed-side change (another strategy, more or fewer workers)
+    again             the eager ceiling once more, last: the host's drift over the ladder
     copy              this batch's bytes at the pinned peak and at the pageable rate (after the
                       configured run), against the copy it achieved
     kernels           the configured run and the eager ceiling again, for their kernel windows
-                      (last: nothing timed runs after CUPTI was attached)
+                      (last: nothing timed runs after CUPTI was attached; not with --no-kernels)
 
 and from them decides what bounds the run (`judge`: input, copy, launch or compute, by which
 removal the measured ceilings say would save the most), searches every configuration the rungs
@@ -78,8 +80,8 @@ FEED_LEVERS = ("strategy", "workers")  # how batches arrive: measured by a feed 
 # captures CUDA graphs, as the graph lever does; max-autotune compiles for minutes, too long for
 # a ladder), bf16 (fp16 cannot be graphed).
 STEP_TRIALS = {"optimizer": ("default", "fused"), "compile": ("off", "default"), "precision": ("fp32", "bf16")}
-CUDA_ONLY = ("compile", "optimizer")
-GRAPH_EXCLUSIVE = ("compile",)  # the engine refuses engine.compile with engine.cuda_graph=true  # a CPU ladder does not measure them (no kernels to fuse or launch)
+CUDA_ONLY = ("compile", "optimizer")  # a CPU ladder does not measure them (no kernels to fuse or launch)
+GRAPH_EXCLUSIVE = ("compile",)  # the engine refuses engine.compile with engine.cuda_graph=true
 CHANGES_TRAINING = ("precision",)  # proposed only with `--allow <lever>`, and said to change the training
 # The lever values of a feed alone: no model to graph or compile.
 FEED_ALONE = {"graph": False, "compile": STEP_TRIALS["compile"][0]}
@@ -222,8 +224,8 @@ def eager_host_share(eager_ms: float, graphed_ms: float, tol: float = MIN_TOLERA
 
 
 def host_share(ladder: Ladder, graphed: bool) -> float:
-    """The share of a step during which the host, not the device, sets its pace: feed work on
-    the loop's thread cannot overlap it. A graphed step: none; an eager one: `eager_host_share`."""
+    """The share of the feed's work on the loop's thread that the step does not hide: a graphed
+    step hides all of it (0); an eager one: `eager_host_share`."""
     return 0.0 if graphed else eager_host_share(ladder.ceiling_eager, ladder.ceiling_graphed, ladder.tolerance)
 
 
@@ -612,9 +614,17 @@ class Advisor:
             ladder.missing["feed"] = why
         else:
             ladder.feed, ladder.feed_loop = feed["ms_per_step"], _loop_ms(feed)
-        if eager is not None:
-            # The same rung again, last: how far the host's speed moved over the ladder (a host
-            # whose clock or load moves makes the same step 10-30% slower from one run to the next).
+        self._again(ladder, ceiling)
+        self._copies(ladder, configured)
+        return ladder
+
+    def _again(self, ladder: Ladder, ceiling) -> None:
+        """Rungs measured a second time, for the host's drift: on a GPU host the same eager step
+        measures 10-30% apart from one run to the next. The eager ceiling again, last: how far
+        apart (`drift`) widens the tolerance and the ceiling is their mean (their faster, if the
+        mean is above the whole run). A feed alone slower than the whole run (seen: the same feed
+        4.2 ms in one ladder, 28 in the next) once more, and the faster stands."""
+        if math.isfinite(ladder.ceiling_eager):
             again, _ = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")
             if again is not None:
                 first, second = ladder.ceiling_eager, again["ms_per_step"]
@@ -622,15 +632,11 @@ class Advisor:
                 ladder.ceiling_eager = (first + second) / 2
                 ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
                 if _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
-                    ladder.ceiling_eager = min(first, second)  # the step at its best: a part of the run
-        if feed is not None and _contradiction(ladder) and ladder.feed > ladder.configured:
-            # A feed alone slower than the whole run is a host that slowed while it ran (seen: the
-            # same feed 4.2 ms in one ladder, 28 in the next): once more, and the faster stands.
-            again, _ = self.measure(noop_feed(cfg), "feed alone, again")
+                    ladder.ceiling_eager = min(first, second)  # a part of the run: at its best
+        if math.isfinite(ladder.feed) and _contradiction(ladder) and ladder.feed > ladder.configured:
+            again, _ = self.measure(noop_feed(self.cfg), "feed alone, again")
             if again is not None and again["ms_per_step"] < ladder.feed:
                 ladder.feed, ladder.feed_loop = again["ms_per_step"], _loop_ms(again)
-        self._copies(ladder, configured)
-        return ladder
 
     def _step_levers(self, ladder: Ladder, ceiling) -> None:
         """The step's levers past the graph (STEP_TRIALS), each measured once on top of the fastest
