@@ -42,6 +42,8 @@ def main() -> int:
     uri = f"sqlite:///{(ROOT / 'outputs' / 'advisor_sweep.db').resolve()}"
     out = Path(args.out)
     order = [int(i) for i in args.only.split(",") if i] or list(range(1, len(WORKLOADS) + 1))
+    if not set(order) <= set(range(1, len(WORKLOADS) + 1)):
+        p.error(f"--only: workload numbers are 1 to {len(WORKLOADS)}")
     results, seen = {}, {}
     for number in order:  # in the order given: the most wanted first, in case the deadline comes
         label, _, _, overrides = WORKLOADS[number - 1]
@@ -66,11 +68,14 @@ def main() -> int:
                     rows.append(row)
                     continue
                 began = time.perf_counter()
+                stop = None
                 try:
-                    with time_limit(min(args.job_limit, left)):
+                    with time_limit(min(args.job_limit, left)) as stop:
                         summary = run(copy.deepcopy(job))
                     row.update(ms_per_step=summary["ms_per_step"], ended="finished")
                 except KeyboardInterrupt:
+                    if stop is None or not stop.fired:
+                        raise  # the user's Ctrl-C or an outside SIGTERM: the sweep stops
                     row.update(ms_per_step=None, ended="stopped at its time limit")
                 except Exception as e:  # a combination the engine refuses is a row, not the sweep's end
                     row.update(ms_per_step=None, ended=f"refused: {' '.join(str(e).split())[:160]}")

@@ -96,6 +96,8 @@ def main() -> int:
     uri = f"sqlite:///{Path(args.store).resolve()}"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     chosen = {int(i) for i in args.only.split(",") if i} or set(range(1, len(WORKLOADS) + 1))
+    if not chosen <= set(range(1, len(WORKLOADS) + 1)):
+        p.error(f"--only: workload numbers are 1 to {len(WORKLOADS)}")
     done = []
     for number, (label, limit, steps, overrides) in enumerate(WORKLOADS, 1):
         if number not in chosen:
@@ -104,16 +106,18 @@ def main() -> int:
         if left < 15:
             done.append({"label": label, "took": 0.0, "ended": "not run: the deadline"})
             continue
-        began, row = time.perf_counter(), {"label": label}
+        began, row, stop = time.perf_counter(), {"label": label}, None
         print(f"== {number}. {label} (--steps {steps}, at most {min(limit, left):.0f} s)", file=sys.stderr, flush=True)
         try:
             cfg = compose([*overrides, f"tracking.uri={uri}"])
-            with time_limit(min(limit, left)):
+            with time_limit(min(limit, left)) as stop:
                 # No kernel windows: they feed no prediction, and the eight must fit one call.
                 result = advise(cfg, steps, verify=True, overrides=overrides, kernels=False)
             row["figures"], row["ended"] = figures(result), "finished"
             print(result["text"], flush=True)
         except KeyboardInterrupt:
+            if stop is None or not stop.fired:
+                raise  # the user's Ctrl-C or an outside SIGTERM: the whole table stops
             row["ended"] = "stopped at its time limit (KILLED)"
         except Exception as e:  # one workload's failure is its row, not the table's end
             row["ended"] = f"failed: {' '.join(str(e).split())[:200]}"

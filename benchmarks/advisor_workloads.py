@@ -53,21 +53,41 @@ def compose(overrides: List[str]):
         return hydra_compose("config", overrides=[*overrides, f"engine.device={device}"])
 
 
+class Limit:
+    """What `time_limit` yields: whether its alarm fired (an interrupt without it is the user's)."""
+    fired = False
+
+
 @contextlib.contextmanager
-def time_limit(seconds: float) -> Iterator[None]:
+def time_limit(seconds: float) -> Iterator[Limit]:
     """SIGTERM to this process after `seconds`: a run in progress is closed KILLED with what it
-    measured (the engine's own handling), and `trainer.errors.Interrupted` ends the block."""
+    measured (the engine's own handling), and `trainer.errors.Interrupted` ends the block. The
+    caller tells its own limit from a Ctrl-C or an outside SIGTERM by `limit.fired`."""
     from trainer.errors import Interrupted
+
+    limit = Limit()
 
     def term(signum, frame):
         raise Interrupted(signum)
 
+    def alarm(signum, frame):
+        limit.fired = True
+        os.kill(os.getpid(), signal.SIGTERM)
+
     before_term = signal.signal(signal.SIGTERM, term)
-    before_alarm = signal.signal(signal.SIGALRM, lambda signum, frame: os.kill(os.getpid(), signal.SIGTERM))
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    before_alarm = signal.signal(signal.SIGALRM, alarm)
+    # A short repeat: an interrupt raised where Python drops it (a __del__, a weakref callback)
+    # comes again rather than never.
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01), 1.0)
     try:
-        yield
+        yield limit
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, before_alarm)
-        signal.signal(signal.SIGTERM, before_term)
+        # Both signals held while the handlers are put back: one that comes now waits for the
+        # handlers before, instead of raising here and leaving ours in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM, signal.SIGTERM})
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, before_alarm)
+            signal.signal(signal.SIGTERM, before_term)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM, signal.SIGTERM})

@@ -245,6 +245,9 @@ def test_only_the_feeds_work_on_the_loops_thread_takes_turns_with_the_step():
     assert advisor.modelled(workers) == pytest.approx(2.5 + 0.5)
     assert predict(2.0, 2.5, 1.0) == pytest.approx(4.5) and predict(2.0, 2.5, 1.0, 0.5) == 3.0
     assert not advisor.cautioned(workers, judge(workers))
+    # The verdict weighs the graph with the same share: 3 ms/step against 0.5 + ... graphed = 2.7.
+    inline = ladder(configured=3.0, ceiling_eager=2.0, ceiling_graphed=0.5, feed=2.5, feed_loop=0.2)
+    assert judge(inline).launch_costs_ms == pytest.approx(0.3)
     kernels = ladder(configured=2.5, ceiling_eager=2.0, ceiling_graphed=1.99, feed=2.5, feed_loop=0.5, strategy="prefetch")
     assert advisor.modelled(kernels) == pytest.approx(2.5 + (1 - 1.99 / 2.0) * 0.5)
 
@@ -260,8 +263,17 @@ def test_the_advice_cautions_when_the_model_misses_the_run():
     assert "caution" not in advisor.render(fits, judge(fits), [], "CPU")
     # The rung it disagrees with is named: here the run waited 11.2 ms a batch where the feed alone took 6.8.
     slowed = ladder(configured=12.6, ceiling_eager=1.2, feed=6.8, configured_wait=11.2, strategy="baseline")
-    assert "the rung it disagrees with most is the feed: in the run it waited 11.2 ms for each batch, against 6.8" in (
+    assert "the rung it disagrees with most is the feed: in the run it waited 11.2 ms for each batch, where the model expects 6.8" in (
         advisor.render(slowed, judge(slowed), [], "GPU"))
+    # A feed hidden behind the step (waits of 0.05 ms) and a step 40% over its ceiling: the step is named.
+    step_off = ladder(configured=14.0, ceiling_eager=10.0, ceiling_graphed=9.9, feed=5.0, feed_loop=0.3,
+                      configured_wait=0.05, strategy="prefetch")
+    assert advisor.disagreeing_rung(step_off).startswith("the step: in the run it took 13.9 ms a step")
+    # `pinned` copies in line on the compute stream: its copy takes turns with the step even where
+    # the loop's thread spends little on issuing it.
+    pinned = ladder(configured=12.0, ceiling_eager=10.0, ceiling_graphed=9.9, feed=3.0, feed_loop=0.2,
+                    copy_achieved=2.0, strategy="pinned")
+    assert advisor.modelled(pinned) == pytest.approx(10.0 + 2.0)
     # A run whose own interval is wide is explained within it.
     noisy = ladder(configured=140.0, ceiling_eager=120.3, feed=0.544, tolerance=0.03, configured_spread=0.2)
     assert advisor.model_miss(noisy) > 0.15 and not advisor.cautioned(noisy, judge(noisy))

@@ -235,9 +235,21 @@ def serial_share(ladder: Ladder, strategy: str, graphed: bool) -> float:
     return 1.0 if strategy in IN_LINE else host_share(ladder, graphed)
 
 
+def feed_work(ladder: Ladder, feed: Setting = ()) -> float:
+    """The part of a feed that takes turns with the step (`L`): its work on the loop's thread
+    (nan: all of it). For the configured strategy copying in line on the compute stream (`pinned`),
+    at least its copy: issued without blocking, it costs the loop's thread little but runs on the
+    device before the step does."""
+    if feed:
+        return ladder.feeds_loop.get(feed, math.nan)
+    if ladder.strategy in IN_LINE and math.isfinite(ladder.feed_loop) and math.isfinite(ladder.copy_achieved):
+        return max(ladder.feed_loop, ladder.copy_achieved)
+    return ladder.feed_loop
+
+
 def modelled(ladder: Ladder) -> float:
     """What the model gives for the run as configured (against `configured`: how far to trust it)."""
-    return predict(ladder.ceiling, ladder.feed, serial_share(ladder, ladder.strategy, ladder.graphed), ladder.feed_loop)
+    return predict(ladder.ceiling, ladder.feed, serial_share(ladder, ladder.strategy, ladder.graphed), feed_work(ladder))
 
 
 def miss_tolerance(ladder: Ladder) -> float:
@@ -249,19 +261,20 @@ def miss_tolerance(ladder: Ladder) -> float:
 
 
 def disagreeing_rung(ladder: Ladder) -> str:
-    """Which rung the run disagrees with most, in words: the feed (the run's wait for its batches
-    against the feed alone) or the step (the rest of the run's step against its ceiling)."""
-    wait, step = ladder.configured_wait, ladder.configured - ladder.configured_wait
-    feed_off = wait / ladder.feed - 1 if math.isfinite(wait) and ladder.feed > 0 else math.nan
-    step_off = step / ladder.ceiling - 1 if math.isfinite(step) and ladder.ceiling > 0 else math.nan
-    if not (math.isfinite(feed_off) or math.isfinite(step_off)):
+    """Which rung the run disagrees with most, in words, by how many ms per step each part of the
+    run is off what the model expects of it: the feed (the run's wait for batches against what
+    feeding adds in the model) or the step (the rest of the run's step against its ceiling)."""
+    wait, model = ladder.configured_wait, modelled(ladder)
+    if not (math.isfinite(wait) and math.isfinite(model) and math.isfinite(ladder.ceiling)):
         return ""
-    if math.isfinite(feed_off) and (not math.isfinite(step_off) or abs(feed_off) > abs(step_off)):
+    expected_wait = max(0.0, model - ladder.ceiling)
+    feed_off, step_off = wait - expected_wait, (ladder.configured - wait) - ladder.ceiling
+    if abs(feed_off) > abs(step_off):
         slowed = " (the loader slowed beside the step: cores, caches or the clock shared)" if feed_off > 0 else ""
-        return (f"the feed: in the run it waited {wait:.3g} ms for each batch, against {ladder.feed:.3g} for the feed "
-                f"alone{slowed}")
-    return (f"the step: in the run it took {step:.3g} ms a step besides the wait for batches, against {ladder.ceiling:.3g} "
-            "fed from the device")
+        return (f"the feed: in the run it waited {wait:.3g} ms for each batch, where the model expects {expected_wait:.3g} "
+                f"(the feed alone: {ladder.feed:.3g}){slowed}")
+    return (f"the step: in the run it took {ladder.configured - wait:.3g} ms a step besides the wait for batches, against "
+            f"{ladder.ceiling:.3g} fed from the device")
 
 
 def cautioned(ladder: Ladder, verdict: Verdict) -> bool:
@@ -293,7 +306,7 @@ def judge(ladder: Ladder) -> Verdict:
         return Verdict("none", contradiction, feeding, math.nan)
     launch = 0.0
     if not ladder.graphed and math.isfinite(ladder.ceiling_graphed) and math.isfinite(ladder.feed):
-        graphed = predict(ladder.ceiling_graphed, ladder.feed, serial_share(ladder, ladder.strategy, True))
+        graphed = predict(ladder.ceiling_graphed, ladder.feed, serial_share(ladder, ladder.strategy, True), feed_work(ladder))
         launch = max(0.0, t - graphed)
     if not math.isfinite(feeding):  # no ceiling: only the feed alone can speak
         if math.isfinite(ladder.feed) and ladder.feed >= (1 - eps) * t:
@@ -406,8 +419,7 @@ def predicted(ladder: Ladder, feed: Setting, step: Setting) -> float:
         serial = 0.0
     else:  # the eager step's host share, against the same step graphed where that was measured
         serial = eager_host_share(step_ms, steps.get(ladder.flip(step, True), ladder.ceiling_graphed), ladder.tolerance)
-    loop = ladder.feed_loop if not feed else ladder.feeds_loop.get(feed, math.nan)
-    return predict(step_ms, feed_of(ladder, feed), serial, loop)
+    return predict(step_ms, feed_of(ladder, feed), serial, feed_work(ladder, feed))
 
 
 def reachable(ladder: Ladder, verdict: Verdict) -> List[Change]:
@@ -491,7 +503,7 @@ def bound_at(ladder: Ladder, changes: Setting) -> Optional[str]:
                 ceiling_eager=steps.get(ladder.flip(step, False), math.nan),
                 ceiling_graphed=steps.get(ladder.flip(step, True), math.nan),
                 feed=0.0 if strategy == "gpu_resident" else feed_of(ladder, feed),  # views of resident data: free
-                copy_achieved=math.nan if feed else ladder.copy_achieved)
+                feed_loop=feed_work(ladder, feed), copy_achieved=math.nan if feed else ladder.copy_achieved)
     return judge(at).bound
 
 
@@ -631,7 +643,7 @@ class Advisor:
                 ladder.drift = abs(second - first) / min(first, second)
                 ladder.ceiling_eager = (first + second) / 2
                 ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
-                if _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
+                if not ladder.graphed and _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
                     ladder.ceiling_eager = min(first, second)  # a part of the run: at its best
         if math.isfinite(ladder.feed) and _contradiction(ladder) and ladder.feed > ladder.configured:
             again, _ = self.measure(noop_feed(self.cfg), "feed alone, again")
