@@ -279,6 +279,7 @@ def test_the_hand_reference_runs_eagerly_and_says_so_for_a_compiled_run():
         plain_loop.measure(compose_config(*HAND, "engine.compile=default"), step="hand")
 
 
+@pytest.mark.slow  # the overhead tool's other cases run by default; this one with `-m slow`
 def test_overhead_tool_takes_turns_with_the_hand_written_reference(tmp_path, capsys):
     """`python -m trainer.overhead --reference hand`: the CLI against the loop a user writes, in
     turns; the table names the reference."""

@@ -99,6 +99,7 @@ def test_turn_rates_stop_counting_when_the_first_process_ends():
     assert one_start["steps"] == [0, 0] and math.isnan(one_start["ms_per_step"][1])
 
 
+@pytest.mark.slow  # versus in turns also runs by default in tests/test_lightning.py
 def test_versus_compares_two_configurations_in_turns(tmp_path, capsys):
     """`python -m trainer.versus --a ... --b ...`: two CLI runs at once, taking turns; each side's
     ms/step over its own turns, and the ratio a ÷ b."""
