@@ -7,7 +7,7 @@
 #   DataLoader; and a torchvision resnet18 on CIFAR-10 fed by `pinned` (batch 64, no workers).
 # MNIST and CIFAR-10 are files of random pixels (`trainer.fake_data`): no download.
 # All eight run in one process (benchmarks/advisor_table.py), each under its own time limit, none
-# started past 320 s (335 s, less 15 for its start): on an H200 they took 17-73 s each, about 330 s in all (docs/advisor.md), so
+# started past 325 s (340 s, less 15 for its start): on an H200 they took 14-73 s each, about 330 s in all (docs/advisor.md), so
 # a slower host may see the last one stopped at the deadline; the table and the total come before 6 minutes.
 #   bash benchmarks/advisor.sh                  # the eight advisors and the table
 #   bash benchmarks/advisor.sh --sweep          # instead: the exhaustive sweep of every workload
@@ -27,7 +27,7 @@ if [ "${1:-}" = "--sweep" ]; then
   exit 0
 fi
 rm -f outputs/advisor/mlflow.db
-timeout --kill-after=10 ${ADVISOR_LIMIT_S:-352} python benchmarks/advisor_table.py ${ADVISOR_DEADLINE_S:+--deadline $ADVISOR_DEADLINE_S} \
+timeout --kill-after=10 ${ADVISOR_LIMIT_S:-355} python benchmarks/advisor_table.py ${ADVISOR_DEADLINE_S:+--deadline $ADVISOR_DEADLINE_S} \
   || echo "advisor table: exit $? (124: stopped at its time limit)" >&2
 if [ "${1:-}" = "--window-cost" ]; then
   # The window runs after the timed region: engine ÷ plain loop should not move with it.

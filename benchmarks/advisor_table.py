@@ -74,7 +74,7 @@ def write(done: list, gpu: str, sweep_path: Path, markdown: Path) -> None:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--deadline", type=float, default=335, help="start no workload past this many seconds")
+    p.add_argument("--deadline", type=float, default=340, help="start no workload past this many seconds")
     p.add_argument("--store", default=str(ROOT / "outputs" / "advisor" / "mlflow.db"))
     p.add_argument("--markdown", default=str(ROOT / "outputs" / "advisor.md"))
     p.add_argument("--sweep", default=str(ROOT / "outputs" / "advisor_sweep.json"))

@@ -22,16 +22,17 @@ WORKLOADS: List[Tuple[str, int, int, List[str]]] = [
     ("reference, pinned_chunk", 35, 100, ["experiment=bench_strategies", "loader=pinned_chunk"]),
     ("reference, gpu_resident graphed", 30, 100,
      ["experiment=bench_strategies", "loader=gpu_resident", "engine.cuda_graph=true"]),
-    ("compute-bound preset", 75, 50, ["experiment=bench_compute_bound"]),
+    ("compute-bound preset", 85, 50, ["experiment=bench_compute_bound"]),
     # The preset's warm-up is its whole first epoch (938 steps): 50 are enough for the rungs.
     ("MNIST MLP, baseline, 0 workers", 40, 100,
      ["experiment=mnist_mlp", "loader=baseline", "loader.num_workers=0", "engine.warmup_steps=50", *VISION]),
     ("CIFAR-10 resnet18, pinned, 0 workers", 70, 100,
      ["dataset=cifar10", "dataset.verify_md5=false", "model=torchvision", "model.arch=resnet18", "loader=pinned",
       "loader.batch_size=64", "loader.num_workers=0", "engine.warmup_steps=50", *VISION]),
-    # 64 workers start anew at each of the reference workload's 15-batch epochs: fewer steps a rung.
+    # 64 workers start anew at each of the reference workload's 15-batch epochs: fewer steps a rung,
+    # and one epoch of warm-up (every epoch starts its workers again: more warm-up warms nothing).
     ("reference, baseline, 64 workers", 90, 50,
-     ["experiment=bench_strategies", "loader=baseline", "loader.num_workers=64"]),
+     ["experiment=bench_strategies", "loader=baseline", "loader.num_workers=64", "engine.warmup_steps=15"]),
 ]
 
 

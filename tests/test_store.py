@@ -139,8 +139,8 @@ def store_files(folder: Path) -> list:
 
 
 @pytest.mark.fresh_store
-@pytest.mark.parametrize("delay_s,again", [(0.0, False), (0.4, False), (0.1, True)],
-                         ids=["as it begins", "half-way", "twice"])
+@pytest.mark.parametrize("delay_s,again", [pytest.param(0.0, False, marks=pytest.mark.slow), (0.4, False), (0.1, True)],
+                         ids=["as it begins", "half-way", "twice"])  # (the first with `-m slow`)
 def test_a_new_store_interrupted_while_it_is_made_is_complete_or_absent(tmp_path, delay_s, again):
     """Ctrl-C at moments of the first run's making of its store (MLflow's migrations take
     seconds): the run stops (exit 130, one line), and the store is either complete or not there
@@ -220,6 +220,7 @@ def test_a_database_deleted_mid_run_keeps_the_exit_status_and_what_was_measured(
     assert (artifacts / "timeline.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # a store refusing a run's records runs by default below (the database deleted, the artifact disk full)
 def test_a_store_whose_disk_fills_mid_run_fails_the_run_and_says_where_its_figures_are(tmp_path, empty_store):
     """The run took all its steps, but the store cannot take them: not a run recorded FINISHED
     without its figures, and not exit 0. The line says why and where each part went; the report

@@ -72,6 +72,8 @@ def test_a_failing_process_is_named_and_nothing_is_left_stopped(tmp_path):
         take_turns(cmds, [tmp_path / "a.log", tmp_path / "b.log"], PROJECT_ROOT, turn_s=0.05)
     ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout
     assert str(tmp_path / "a.npy") not in ps  # the spinner was ended, not left stopped
+    # ... and not waited for: its 30 s of spinning (saved at their end) were cut short by the failure
+    assert not (tmp_path / "a.npy").exists()
 
 
 U = 2.0 ** -10  # a time unit of about 1 ms that binary floating point holds exactly

@@ -290,6 +290,7 @@ class TrackingConfig:
     system_metrics_interval_s: float = 1.0  # seconds between system-metric samples
     parent_run_id: Optional[str] = None  # nest the run under this MLflow run (a sweep sets it per job)
     sweep_name: Optional[str] = None  # name of a multirun's parent run (None = the swept overrides)
+    plots: bool = True  # timeline.png beside steps.csv (a few tenths of a second at the run's close)
 
     def __post_init__(self):
         if not self.experiment:

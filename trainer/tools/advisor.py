@@ -13,7 +13,7 @@ For the composed config it measures, in this process on this device, a short lad
     feed              the configured loader with no model (model=noop): how fast batches come (and
                       how much of that is the loop thread's own work), and the same for each
                       feed-side change (another strategy, more or fewer workers)
-    again             the eager ceiling once more, last: the host's drift over the ladder
+    again             the eager ceiling and the feed alone once more, last: the host's drift
     copy              this batch's bytes at the pinned peak and at the pageable rate (after the
                       configured run), against the copy it achieved
     kernels           the configured run and the eager ceiling again, for their kernel windows
@@ -140,7 +140,9 @@ class Ladder:
     batch_mb: float = field(default_factory=_nan)
     tolerance: float = MIN_TOLERANCE
     drift: float = 0.0  # the eager ceiling measured first and last: how far apart, over the faster
+    feed_drift: float = 0.0  # the same for the feed alone
     workers: int = 0  # the configured DataLoader workers
+    shuffles: bool = False  # the configured loader shuffles: on the device its batches are gathered, not views
     cores: int = 0  # the CPU cores the configured run was given (its `host_cores`)
     kernels: Dict[str, Dict[str, float]] = field(default_factory=dict)  # rung -> its kernel window's figures
     feeds: Dict[Setting, float] = field(default_factory=dict)  # a feed-side change -> its feed alone
@@ -200,13 +202,15 @@ class Change:
 
 
 # ----------------------------------------------------------------------------- the model
-def predict(step_ms: float, feed_ms: float, serial: float, loop_ms: float = math.nan) -> float:
+def predict(step_ms: float, feed_ms: float, serial: float, loop_ms: float = math.nan, in_line_ms: float = 0.0) -> float:
     """ms/step of a loop whose step alone takes `step_ms` and whose feed alone takes `feed_ms`,
     `loop_ms` of it on the loop's own thread (nan: all of it): a share `serial` (0..1) of the
     feed's work on the loop's thread (or of the step, if shorter) does not overlap the longer one.
-    Work of DataLoader workers runs beside the loop: it bounds the pace (the max), it adds nothing."""
+    Work of DataLoader workers runs beside the loop: it bounds the pace (the max), it adds nothing.
+    `in_line_ms`: a copy on the compute stream (`IN_LINE`), part of the loop's work: what the host
+    hides of it (1 - serial) still runs between two steps on the device, so it adds all the same."""
     own = min(loop_ms, feed_ms) if math.isfinite(loop_ms) else feed_ms
-    return max(step_ms, feed_ms) + serial * min(step_ms, own)
+    return max(step_ms, feed_ms) + serial * min(step_ms, own) + (1 - serial) * min(step_ms, in_line_ms)
 
 
 def eager_host_share(eager_ms: float, graphed_ms: float, tol: float = MIN_TOLERANCE) -> float:
@@ -229,10 +233,11 @@ def host_share(ladder: Ladder, graphed: bool) -> float:
     return 0.0 if graphed else eager_host_share(ladder.ceiling_eager, ladder.ceiling_graphed, ladder.tolerance)
 
 
-def serial_share(ladder: Ladder, strategy: str, graphed: bool) -> float:
-    """How much of feed and step take turns: all of it for a strategy that copies on the compute
-    stream; otherwise the step's host share (`host_share`)."""
-    return 1.0 if strategy in IN_LINE else host_share(ladder, graphed)
+def in_line(ladder: Ladder, strategy: str) -> float:
+    """The copy the configured strategy makes on the compute stream (`IN_LINE`), ms per batch: it
+    takes turns with the step on the device, however well the host's work is hidden (0: none)."""
+    copy = ladder.copy_achieved
+    return copy if strategy in IN_LINE and strategy == ladder.strategy and math.isfinite(copy) else 0.0
 
 
 def feed_work(ladder: Ladder, feed: Setting = ()) -> float:
@@ -249,7 +254,8 @@ def feed_work(ladder: Ladder, feed: Setting = ()) -> float:
 
 def modelled(ladder: Ladder) -> float:
     """What the model gives for the run as configured (against `configured`: how far to trust it)."""
-    return predict(ladder.ceiling, ladder.feed, serial_share(ladder, ladder.strategy, ladder.graphed), feed_work(ladder))
+    return predict(ladder.ceiling, ladder.feed, host_share(ladder, ladder.graphed), feed_work(ladder),
+                   in_line(ladder, ladder.strategy))
 
 
 def miss_tolerance(ladder: Ladder) -> float:
@@ -306,7 +312,8 @@ def judge(ladder: Ladder) -> Verdict:
         return Verdict("none", contradiction, feeding, math.nan)
     launch = 0.0
     if not ladder.graphed and math.isfinite(ladder.ceiling_graphed) and math.isfinite(ladder.feed):
-        graphed = predict(ladder.ceiling_graphed, ladder.feed, serial_share(ladder, ladder.strategy, True), feed_work(ladder))
+        graphed = predict(ladder.ceiling_graphed, ladder.feed, host_share(ladder, True), feed_work(ladder),
+                          in_line(ladder, ladder.strategy))
         launch = max(0.0, t - graphed)
     if not math.isfinite(feeding):  # no ceiling: only the feed alone can speak
         if math.isfinite(ladder.feed) and ladder.feed >= (1 - eps) * t:
@@ -362,6 +369,8 @@ STRATEGY_WHY = {"gpu_resident": "the dataset on the device: the step's own ceili
 
 def describe(ladder: Ladder, lever: str, value) -> str:
     """What one lever's change does, in a few words."""
+    if lever == "strategy" and value == "gpu_resident" and ladder.shuffles:
+        return "the dataset on the device, each shuffled batch gathered there"
     if lever == "strategy":
         return STRATEGY_WHY.get(value, f"loader={value}")
     if lever == "workers" and value == 0 and ladder.workers > ladder.cores:
@@ -386,6 +395,10 @@ def feed_changes(ladder: Ladder, verdict: Verdict) -> Dict[Setting, str]:
     feeding_matters = math.isfinite(verdict.feeding_costs_ms) and verdict.feeding_costs_ms > eps * t
     if feeding_matters and ladder.strategy not in ("pinned_chunk", "gpu_resident"):
         found[setting(strategy="pinned_chunk")] = STRATEGY_WHY["pinned_chunk"]
+    if ladder.shuffles and ladder.strategy != "gpu_resident":
+        # Shuffled, the dataset on the device is gathered batch by batch: work on the loop's thread
+        # beside an eager step's launches (unshuffled, its batches are the ceiling's own views).
+        found[setting(strategy="gpu_resident")] = STRATEGY_WHY["gpu_resident"]
     if verdict.bound == "copy" and ladder.strategy in IN_LINE:
         found[setting(strategy="prefetch")] = STRATEGY_WHY["prefetch"]
     workers, cores = ladder.workers, ladder.cores or available_cores()
@@ -411,15 +424,13 @@ def predicted(ladder: Ladder, feed: Setting, step: Setting) -> float:
     steps = ladder.step_rungs()
     step_ms = steps.get(step, math.nan)
     strategy = dict(feed).get("strategy", ladder.strategy)
-    if strategy == "gpu_resident":
+    if strategy == "gpu_resident" and feed not in ladder.feeds:
         return step_ms  # that rung is this change (its batches views of the resident data)
-    if strategy in IN_LINE:
-        serial = 1.0
-    elif ladder.is_graphed(step):
+    if ladder.is_graphed(step):
         serial = 0.0
     else:  # the eager step's host share, against the same step graphed where that was measured
         serial = eager_host_share(step_ms, steps.get(ladder.flip(step, True), ladder.ceiling_graphed), ladder.tolerance)
-    return predict(step_ms, feed_of(ladder, feed), serial, feed_work(ladder, feed))
+    return predict(step_ms, feed_of(ladder, feed), serial, feed_work(ladder, feed), in_line(ladder, strategy))
 
 
 def reachable(ladder: Ladder, verdict: Verdict) -> List[Change]:
@@ -429,7 +440,7 @@ def reachable(ladder: Ladder, verdict: Verdict) -> List[Change]:
     if verdict.bound == "none":
         return []
     feeds = [(), *ladder.feeds]
-    if ladder.strategy != "gpu_resident":
+    if ladder.strategy != "gpu_resident" and setting(strategy="gpu_resident") not in ladder.feeds:
         feeds.append(setting(strategy="gpu_resident"))
     found = []
     for feed in feeds:
@@ -502,8 +513,9 @@ def bound_at(ladder: Ladder, changes: Setting) -> Optional[str]:
     at = Ladder(configured=ms, graphed=ladder.is_graphed(step), strategy=strategy, tolerance=ladder.tolerance,
                 ceiling_eager=steps.get(ladder.flip(step, False), math.nan),
                 ceiling_graphed=steps.get(ladder.flip(step, True), math.nan),
-                feed=0.0 if strategy == "gpu_resident" else feed_of(ladder, feed),  # views of resident data: free
-                feed_loop=feed_work(ladder, feed), copy_achieved=math.nan if feed else ladder.copy_achieved)
+                # views of resident data are free; a shuffled gather, measured, is a feed
+                feed=0.0 if strategy == "gpu_resident" and feed not in ladder.feeds else feed_of(ladder, feed),
+                feed_loop=feed_work(ladder, feed), copy_achieved=ladder.copy_achieved if strategy == ladder.strategy else math.nan)
     return judge(at).bound
 
 
@@ -579,6 +591,7 @@ class Advisor:
             job.engine.kernel_window_steps = window
             job.engine.progress = False
             job.engine.quiet = True  # the rung's one progress line says what it measured, not a run's summary
+            job.tracking.plots = False  # a dozen rungs: their steps.csv, without a timeline drawn for each
             job.tracking.parent_run_id = self.parent_id
             job.tracking.run_name = f"advise: {name}"
         return job
@@ -601,7 +614,7 @@ class Advisor:
         if configured is None:
             raise ConfigError(f"the run as configured failed: {why}")
         ladder = Ladder(configured=configured["ms_per_step"], graphed=bool(OmegaConf.select(cfg, LEVERS["graph"])) and self.cuda,
-                        strategy=cfg.loader.name, workers=cfg.loader.num_workers,
+                        strategy=cfg.loader.name, workers=cfg.loader.num_workers, shuffles=bool(cfg.loader.shuffle),
                         cores=_cores(configured), configured_wait=_wait(configured),
                         configured_spread=_spread(configured))
         ceiling = with_loader(cfg, "gpu_resident", shuffle=False, drop_last=True)  # views of resident data
@@ -631,24 +644,29 @@ class Advisor:
         return ladder
 
     def _again(self, ladder: Ladder, ceiling) -> None:
-        """Rungs measured a second time, for the host's drift: on a GPU host the same eager step
-        measures 10-30% apart from one run to the next. The eager ceiling again, last: how far
-        apart (`drift`) widens the tolerance and the ceiling is their mean (their faster, if the
-        mean is above the whole run). A feed alone slower than the whole run (seen: the same feed
-        4.2 ms in one ladder, 28 in the next) once more, and the faster stands."""
+        """Rungs measured a second time, last, for the host's drift: on a GPU host the same eager
+        step measures 10-30% apart from one run to the next, and a feed made by Python on the
+        loop's thread 20-40%. The eager ceiling and the feed alone again: how far apart each pair
+        is (`drift`, `feed_drift`) widens the tolerance, and each rung is the pair's mean (their
+        faster, where the mean is above the whole run: a part of the run, at its best)."""
         if math.isfinite(ladder.ceiling_eager):
             again, _ = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")
             if again is not None:
                 first, second = ladder.ceiling_eager, again["ms_per_step"]
-                ladder.drift = abs(second - first) / min(first, second)
+                ladder.drift = _apart(first, second)
                 ladder.ceiling_eager = (first + second) / 2
                 ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
                 if not ladder.graphed and _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
                     ladder.ceiling_eager = min(first, second)  # a part of the run: at its best
-        if math.isfinite(ladder.feed) and _contradiction(ladder) and ladder.feed > ladder.configured:
+        if math.isfinite(ladder.feed):
             again, _ = self.measure(noop_feed(self.cfg), "feed alone, again")
-            if again is not None and again["ms_per_step"] < ladder.feed:
-                ladder.feed, ladder.feed_loop = again["ms_per_step"], _loop_ms(again)
+            if again is not None:
+                first, second = (ladder.feed, ladder.feed_loop), (again["ms_per_step"], _loop_ms(again))
+                ladder.feed_drift = _apart(first[0], second[0])
+                ladder.feed, ladder.feed_loop = (first[0] + second[0]) / 2, (first[1] + second[1]) / 2
+                ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.feed_drift))
+                if _contradiction(ladder) and ladder.feed > ladder.configured:
+                    ladder.feed, ladder.feed_loop = min(first, second)
 
     def _step_levers(self, ladder: Ladder, ceiling) -> None:
         """The step's levers past the graph (STEP_TRIALS), each measured once on top of the fastest
@@ -727,6 +745,18 @@ class Advisor:
                                                                  "launch_gap_ms", "h2d_overlapped_by_kernels_fraction")}
 
 
+def _apart(first: float, second: float) -> float:
+    """How far apart two measurements of one rung are, over the faster (0 where either is 0)."""
+    return abs(second - first) / min(first, second) if min(first, second) > 0 else 0.0
+
+
+def _drifts(ladder: Ladder) -> str:
+    """How far apart the rungs measured twice came (what sets the tolerance, when it does)."""
+    pairs = [(name, d) for name, d in (("the eager step fed from the device", ladder.drift),
+                                       ("the feed alone", ladder.feed_drift)) if d > 0]
+    return f" ({'; '.join(f'{name} measured first and last {d:.0%} apart' for name, d in pairs)})" if pairs else ""
+
+
 def step_name(ladder: Ladder, changes: Setting) -> str:
     """A step rung's name: `ceiling, graphed, engine.optimizer.impl=fused`."""
     rest = overrides_of(tuple((k, v) for k, v in changes if k != "graph"))
@@ -793,8 +823,7 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
                      f"{k['gpu_kernel_busy_fraction']:.2f} of the wall, launch gaps {k['launch_gap_ms']:.3f} ms/step, "
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
     lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}"
-                 + (f" (the eager step fed from the device measured first and last {ladder.drift:.0%} apart)"
-                    if ladder.drift > 0 else "")
+                 + _drifts(ladder)
                  + (f", {miss_tolerance(ladder):.0%} against the run (its own interval)"
                     if miss_tolerance(ladder) > ladder.tolerance else ""))
     miss = model_miss(ladder)
@@ -876,7 +905,7 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Op
            "ladder.feed_loop_thread_ms": ladder.feed_loop, "ladder.configured_wait_ms": ladder.configured_wait,
            "ladder.modelled_ms": modelled(ladder), "tolerance": ladder.tolerance,
            "ladder.model_miss": model_miss(ladder), "ladder.miss_tolerance": miss_tolerance(ladder),
-           "ladder.drift": ladder.drift,
+           "ladder.drift": ladder.drift, "ladder.feed_drift": ladder.feed_drift,
            "feeding_costs_ms": verdict.feeding_costs_ms, "launch_costs_ms": verdict.launch_costs_ms}
     for s, ms in ladder.steps.items():
         out[f"ladder.ceiling_{_slug(merged(setting(graph=ladder.is_graphed(s)), s))}_ms"] = ms  # ceiling_graphed_optimizer_fused_ms
@@ -901,7 +930,7 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
     `kernels=False`: no kernel windows (said under "not measured").
     Returns {run_id, bound, best, changes, text, ladder}."""
     if run_fn is None:
-        from trainer.loop.run import run as run_fn  # here: the rungs are runs of the loop
+        run_fn = _rungs_of_the_loop()
     check_tracking_uri(cfg.tracking.uri)
     uri = cfg.tracking.uri or default_uri()
     with store_errors(uri):
@@ -940,6 +969,22 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         raise
     finally:
         client.set_terminated(parent_id, status)
+
+
+def _rungs_of_the_loop() -> Callable[[object], dict]:
+    """The rungs as runs of the loop, in this process, sharing one dataset (built once: a dataset of
+    files is read once, not once a rung)."""
+    from datasets import BuiltOnce
+    from trainer.loop.run import run  # here: the rungs are runs of the loop
+    built = BuiltOnce()
+
+    def run_rung(job) -> dict:
+        try:
+            dataset = built(job.dataset)
+        except Exception:  # left to the run, which builds it again and fails as a run, recorded with its one line
+            dataset = None
+        return run(job, dataset=dataset)
+    return run_rung
 
 
 def _record(client, run_id: str, ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Optional[Change],

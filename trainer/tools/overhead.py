@@ -202,25 +202,20 @@ def serve() -> None:
     stdin, `{"side": "engine" | "plain" | "hand", "overrides": [...]}`, compose the config, build its dataset (or
     reuse the last one, when `cfg.dataset` is the same), run that side once and answer one line:
     `ANSWER` and its figures as JSON, or `{"error": the one-line reason}`."""
-    from omegaconf import OmegaConf
-
-    from datasets import build_dataset
+    from datasets import BuiltOnce
     from trainer.loop.run import run
     from trainer.tools.plain_loop import measure
-    built = {}
+    built = BuiltOnce()
     for line in sys.stdin:
         request = json.loads(line)
         try:
             cfg = compose_config(request["overrides"])
-            key = OmegaConf.to_yaml(cfg.dataset)
-            if key not in built:
-                built.clear()  # one dataset at a time: the last one's memory goes first
-                built[key] = build_dataset(cfg.dataset)
+            dataset = built(cfg.dataset)
             side = request["side"]
             if side == "engine":  # what `python -m trainer` calls once Hydra has composed the config
-                got = run(cfg, dataset=built[key])
+                got = run(cfg, dataset=dataset)
             else:  # the reference's plain loop, as `python -m trainer.tools.plain_loop --step ...` runs it
-                got = measure(cfg, step=REFERENCE_STEP[side], dataset=built[key])
+                got = measure(cfg, step=REFERENCE_STEP[side], dataset=dataset)
         except SystemExit as e:  # compose_config's one line
             got = {"error": str(e).removeprefix("error: ")}
         except Exception as e:

@@ -100,7 +100,9 @@ def take_turns(cmds: Sequence[Sequence[str]], logs: Sequence[Path], cwd: Path, t
                     time.sleep(0.0002)
             turns.append(Turn(who, start, end))
             who = (who + 1) % len(procs)
-        # One has finished its loop (and its run): the others run on, alone, to their end.
+        # One has ended. Failed, it is said now, and the others are ended (below), not waited for;
+        # else it finished its loop (and its run): the others run on, alone, to their end.
+        _check(procs, cmds, logs)
         for p in procs:
             _signal(p, signal.SIGCONT)
         for p in procs:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Sequence
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 # One colour per part of a step, the same in every picture.
 COLOURS = {"data_wait_ms": "#d62728", "h2d_ms": "#ff7f0e", "compute_ms": "#1f77b4", "lightning_ms": "#9467bd",
@@ -19,7 +19,15 @@ PARTS = (("data_wait_ms", "data wait"), ("h2d_ms", "host→device copy"), ("comp
          ("lightning_ms", "Lightning's own code"))  # the last only in runs of engine.loop=lightning
 
 
+def _figure(**kwargs) -> Figure:
+    # Matplotlib is imported when a picture is drawn: a command that fails early, or a run that
+    # draws none, starts without it (0.4 s).
+    from matplotlib.figure import Figure
+    return Figure(**kwargs)
+
+
 def _save(fig: Figure, path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
     FigureCanvasAgg(fig)
     fig.savefig(path, dpi=100)
     return path
@@ -52,7 +60,7 @@ def timeline(rows: Sequence[dict], path: Path, warmup_steps: int = 0, title: str
     """
     edges, bars, size = _binned(rows)
     mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
-    fig = Figure(figsize=(10, 4.8), layout="constrained")
+    fig = _figure(figsize=(10, 4.8), layout="constrained")
     ax = fig.add_subplot()
     if warmup_steps > 0:
         ax.axvspan(0.5, min(warmup_steps, len(rows)) + 0.5, color="grey", alpha=0.15, label="warm-up (not in summaries)")
@@ -94,7 +102,7 @@ def comparison_figure(rows: List[dict], label_keys: Sequence[str], title: str = 
     groups: dict = {}
     for r in rows:
         groups.setdefault(r.get("model", ""), []).append(r)
-    fig = Figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 2) + 0.5 * (len(groups) - 1)), layout="constrained")
+    fig = _figure(figsize=(12, 1.2 + 0.45 * max(len(rows), 2) + 0.5 * (len(groups) - 1)), layout="constrained")
     panels = fig.subplots(len(groups), 2, squeeze=False, sharey="row", width_ratios=[3, 2],
                           height_ratios=[max(len(g), 1) for g in groups.values()])
     for (model, group), (left, right) in zip(groups.items(), panels):

@@ -193,6 +193,7 @@ class Tracker:
                     self._keep_here(name, name, lambda local: write_rows(rows, local))
             if self.rows:
                 self._attempt("per-step metrics", lambda: self._log_series(self.rows))
+            if self.rows and self.cfg.tracking.get("plots", True):
                 title = f"{self.cfg.loader.name} · {self.cfg.model.name} · {self.cfg.dataset.name}"
                 self._attempt("timeline.png", lambda: self.artifacts.log_artifact(str(
                     plots.timeline(self.rows, Path(tmp) / "timeline.png", self.cfg.engine.warmup_steps, title))),
