@@ -55,7 +55,9 @@ def table(done: list, gpu: str, sweep: dict) -> str:
             lines.append(f"| {label} | — | — ({row['ended']}) |" + " — |" * 14 + f" {took:.0f} |")
             continue
         best_ms = f["best_measured"] if f["best_measured"] is not None else f["configured"]
-        ratio = f"{best_ms / fast['ms_per_step']:.2f}" if fast.get("ms_per_step") and math.isfinite(best_ms) else "—"
+        # (no verdict: no configuration was chosen, so there is nothing to hold against the sweep)
+        ratio = (f"{best_ms / fast['ms_per_step']:.2f}" if fast.get("ms_per_step") and math.isfinite(best_ms)
+                 and f["bound"] != "none" else "—")
         lines.append(
             f"| {label} | {cell(f['configured'])} | {f['bound']} | {f['miss']:+.0%} (±{f['miss_tolerance']:.0%}) | "
             f"{'yes' if f['caution'] else 'no'} | {f['best']} | {f['chain']} | {cell(f['best_predicted'])} | "
