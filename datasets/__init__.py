@@ -21,15 +21,23 @@ def build_dataset(cfg) -> FeedDataset:
 
 class BuiltOnce:
     """One dataset at a time for many short runs of one process (the advisor's rungs, the overhead
-    tool's rounds): built from its config section, handed again while the section is the same."""
+    tool's rounds): built from its config section, handed again while the section is the same.
+    A dataset of more than a quarter of the host's free memory is built for each run instead: kept
+    between runs (with what a run caches in it, such as the samples a DataLoader reads), it would
+    compete with the next run's own buffers (a page-locked copy of it, say) for the host's memory."""
 
     def __init__(self):
         self.key, self.dataset = None, None
 
     def __call__(self, cfg) -> FeedDataset:
         from omegaconf import OmegaConf
-        key = OmegaConf.to_yaml(cfg)
+
+        from trainer.memory import host_available_bytes
+        key = OmegaConf.to_yaml(cfg, resolve=True)  # (an interpolated size: the value it has now)
         if key != self.key:
             self.key, self.dataset = None, None  # the last one's memory goes before the next is built
-            self.dataset, self.key = build_dataset(cfg), key
+            dataset = build_dataset(cfg)
+            if dataset.nbytes > host_available_bytes() / 4:
+                return dataset
+            self.dataset, self.key = dataset, key
         return self.dataset

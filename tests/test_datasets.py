@@ -13,7 +13,7 @@ import pytest
 import torch
 import torchvision
 
-from datasets import DATASETS, build_dataset
+from datasets import DATASETS, BuiltOnce, build_dataset
 from datasets.synthetic import SyntheticDataset
 from models import build_model
 from trainer.config import PROJECT_ROOT
@@ -388,3 +388,20 @@ def test_missing_dataset_exits_non_zero_with_one_line(tmp_path, tracking_uri, ru
     assert f"dataset.root={empty}" in lines[0] and "train-images-idx3-ubyte" in lines[0] and "dataset.download=true" in lines[0]
     (r,) = runs()
     assert r.info.status == "FAILED" and "dataset.root" in r.data.tags["error"]
+
+
+def test_many_runs_of_one_process_share_one_dataset_unless_it_is_large(monkeypatch):
+    """The advisor's rungs and the overhead tool's rounds build a dataset once and hand it again
+    while its config section is the same; another section builds the next (the last one let go).
+    One of more than a quarter of the host's free memory is built for each run, never kept."""
+    import trainer.memory
+    built = BuiltOnce()
+    small, other = compose_config(*TINY_DATASET).dataset, compose_config(*TINY_DATASET, "dataset.seed=1").dataset
+    first = built(small)
+    assert built(small) is first and built(other) is not first and built(other) is built(other)
+    monkeypatch.setattr(trainer.memory, "host_available_bytes", lambda: 4 * first.nbytes - 1)
+    large = BuiltOnce()
+    assert large(small) is not large(small) and large.dataset is None
+
+
+TINY_DATASET = ("dataset.num_samples=96", "dataset.shape=[8,8]")

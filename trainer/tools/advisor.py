@@ -58,7 +58,7 @@ from trainer.tracking.journal import owner_tags
 from trainer.tracking.store import check_tracking_uri, default_uri, experiment_id, store_errors
 
 BOUNDS = ("input", "copy", "launch", "compute", "none")  # none: the rungs contradict each other, no verdict
-IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: feed and step take turns
+IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: the copy and the step take turns there
 MIN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.20  # "within a few percent": the ceiling's own jitter, kept in these bounds
 # The loader keys every strategy has: carried over when a rung or a change swaps the strategy.
 COMMON_LOADER_KEYS = tuple(f for f in LoaderConfig.__dataclass_fields__ if f != "name")
@@ -207,10 +207,13 @@ def predict(step_ms: float, feed_ms: float, serial: float, loop_ms: float = math
     `loop_ms` of it on the loop's own thread (nan: all of it): a share `serial` (0..1) of the
     feed's work on the loop's thread (or of the step, if shorter) does not overlap the longer one.
     Work of DataLoader workers runs beside the loop: it bounds the pace (the max), it adds nothing.
-    `in_line_ms`: a copy on the compute stream (`IN_LINE`), part of the loop's work: what the host
-    hides of it (1 - serial) still runs between two steps on the device, so it adds all the same."""
+    `in_line_ms`: a copy on the compute stream (`IN_LINE`), part of the feed: what the host hides
+    of it (1 - serial) still runs between two steps on the device, so it lengthens the device's
+    share of the step (the feed alone has it already)."""
+    if not (math.isfinite(step_ms) and math.isfinite(feed_ms)):
+        return math.nan  # (Python's max and min do not carry a nan through)
     own = min(loop_ms, feed_ms) if math.isfinite(loop_ms) else feed_ms
-    return max(step_ms, feed_ms) + serial * min(step_ms, own) + (1 - serial) * min(step_ms, in_line_ms)
+    return max(step_ms + (1 - serial) * min(step_ms, in_line_ms), feed_ms) + serial * min(step_ms, own)
 
 
 def eager_host_share(eager_ms: float, graphed_ms: float, tol: float = MIN_TOLERANCE) -> float:
@@ -242,14 +245,12 @@ def in_line(ladder: Ladder, strategy: str) -> float:
 
 def feed_work(ladder: Ladder, feed: Setting = ()) -> float:
     """The part of a feed that takes turns with the step (`L`): its work on the loop's thread
-    (nan: all of it). For the configured strategy copying in line on the compute stream (`pinned`),
-    at least its copy: issued without blocking, it costs the loop's thread little but runs on the
-    device before the step does."""
-    if feed:
-        return ladder.feeds_loop.get(feed, math.nan)
-    if ladder.strategy in IN_LINE and math.isfinite(ladder.feed_loop) and math.isfinite(ladder.copy_achieved):
-        return max(ladder.feed_loop, ladder.copy_achieved)
-    return ladder.feed_loop
+    (nan: all of it). For the configured strategy copying in line on the compute stream (`pinned`,
+    its workers changed or not), at least its copy: issued without blocking, it costs the loop's
+    thread little but runs on the device before the step does."""
+    loop = ladder.feeds_loop.get(feed, math.nan) if feed else ladder.feed_loop
+    copy = in_line(ladder, dict(feed).get("strategy", ladder.strategy))
+    return max(loop, copy) if math.isfinite(loop) and copy > 0 else loop
 
 
 def modelled(ladder: Ladder) -> float:
@@ -263,7 +264,7 @@ def miss_tolerance(ladder: Ladder) -> float:
     or the configured run's own 95% interval where wider (a run on a host whose speed moves), at
     most `MAX_TOLERANCE` (the interval of an asynchronous run of a few steps reads the host's clock
     running ahead of the device, and can span more than the run itself)."""
-    return max(ladder.tolerance, min(ladder.configured_spread, MAX_TOLERANCE))
+    return max(ladder.tolerance, min(max(ladder.configured_spread, ladder.feed_drift), MAX_TOLERANCE))
 
 
 def disagreeing_rung(ladder: Ladder) -> str:
@@ -395,7 +396,7 @@ def feed_changes(ladder: Ladder, verdict: Verdict) -> Dict[Setting, str]:
     feeding_matters = math.isfinite(verdict.feeding_costs_ms) and verdict.feeding_costs_ms > eps * t
     if feeding_matters and ladder.strategy not in ("pinned_chunk", "gpu_resident"):
         found[setting(strategy="pinned_chunk")] = STRATEGY_WHY["pinned_chunk"]
-    if ladder.shuffles and ladder.strategy != "gpu_resident":
+    if ladder.shuffles and ladder.strategy != "gpu_resident" and math.isfinite(ladder.ceiling_eager):
         # Shuffled, the dataset on the device is gathered batch by batch: work on the loop's thread
         # beside an eager step's launches (unshuffled, its batches are the ceiling's own views).
         found[setting(strategy="gpu_resident")] = STRATEGY_WHY["gpu_resident"]
@@ -424,7 +425,7 @@ def predicted(ladder: Ladder, feed: Setting, step: Setting) -> float:
     steps = ladder.step_rungs()
     step_ms = steps.get(step, math.nan)
     strategy = dict(feed).get("strategy", ladder.strategy)
-    if strategy == "gpu_resident" and feed not in ladder.feeds:
+    if strategy == "gpu_resident" and not ladder.shuffles:
         return step_ms  # that rung is this change (its batches views of the resident data)
     if ladder.is_graphed(step):
         serial = 0.0
@@ -514,7 +515,7 @@ def bound_at(ladder: Ladder, changes: Setting) -> Optional[str]:
                 ceiling_eager=steps.get(ladder.flip(step, False), math.nan),
                 ceiling_graphed=steps.get(ladder.flip(step, True), math.nan),
                 # views of resident data are free; a shuffled gather, measured, is a feed
-                feed=0.0 if strategy == "gpu_resident" and feed not in ladder.feeds else feed_of(ladder, feed),
+                feed=0.0 if strategy == "gpu_resident" and not ladder.shuffles else feed_of(ladder, feed),
                 feed_loop=feed_work(ladder, feed), copy_achieved=ladder.copy_achieved if strategy == ladder.strategy else math.nan)
     return judge(at).bound
 
@@ -646,12 +647,14 @@ class Advisor:
     def _again(self, ladder: Ladder, ceiling) -> None:
         """Rungs measured a second time, last, for the host's drift: on a GPU host the same eager
         step measures 10-30% apart from one run to the next, and a feed made by Python on the
-        loop's thread 20-40%. The eager ceiling and the feed alone again: how far apart each pair
-        is (`drift`, `feed_drift`) widens the tolerance, and each rung is the pair's mean (their
-        faster, where the mean is above the whole run: a part of the run, at its best)."""
+        loop's thread 20-40%. The eager ceiling and the feed alone again, each rung the pair's mean
+        (their faster, where the mean contradicts the whole run: a part of the run, at its best).
+        How far apart the ceilings are (`drift`) widens the tolerance, the steps' as the run's; the
+        feeds' (`feed_drift`) only how far the run may be from the model (`miss_tolerance`): the
+        feed's noise says nothing of whether a step is set by its launches."""
         if math.isfinite(ladder.ceiling_eager):
             again, _ = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")
-            if again is not None:
+            if again is not None and math.isfinite(again.get("ms_per_step", math.nan)):
                 first, second = ladder.ceiling_eager, again["ms_per_step"]
                 ladder.drift = _apart(first, second)
                 ladder.ceiling_eager = (first + second) / 2
@@ -660,11 +663,10 @@ class Advisor:
                     ladder.ceiling_eager = min(first, second)  # a part of the run: at its best
         if math.isfinite(ladder.feed):
             again, _ = self.measure(noop_feed(self.cfg), "feed alone, again")
-            if again is not None:
+            if again is not None and math.isfinite(again.get("ms_per_step", math.nan)):
                 first, second = (ladder.feed, ladder.feed_loop), (again["ms_per_step"], _loop_ms(again))
                 ladder.feed_drift = _apart(first[0], second[0])
-                ladder.feed, ladder.feed_loop = (first[0] + second[0]) / 2, (first[1] + second[1]) / 2
-                ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.feed_drift))
+                ladder.feed, ladder.feed_loop = (first[0] + second[0]) / 2, _mean(first[1], second[1])
                 if _contradiction(ladder) and ladder.feed > ladder.configured:
                     ladder.feed, ladder.feed_loop = min(first, second)
 
@@ -750,11 +752,23 @@ def _apart(first: float, second: float) -> float:
     return abs(second - first) / min(first, second) if min(first, second) > 0 else 0.0
 
 
-def _drifts(ladder: Ladder) -> str:
-    """How far apart the rungs measured twice came (what sets the tolerance, when it does)."""
-    pairs = [(name, d) for name, d in (("the eager step fed from the device", ladder.drift),
-                                       ("the feed alone", ladder.feed_drift)) if d > 0]
-    return f" ({'; '.join(f'{name} measured first and last {d:.0%} apart' for name, d in pairs)})" if pairs else ""
+def _mean(first: float, second: float) -> float:
+    """The mean of two readings, or the one that was read (nan: neither)."""
+    read = [v for v in (first, second) if math.isfinite(v)]
+    return sum(read) / len(read) if read else math.nan
+
+
+def _tolerances(ladder: Ladder) -> str:
+    """What widened the tolerance (the eager ceiling's drift) and how far the run may be from the
+    model, where wider, and why (its own interval, the feed's drift): `miss_tolerance`."""
+    text = f" (the eager step fed from the device measured first and last {ladder.drift:.0%} apart)" if ladder.drift > 0 else ""
+    wider = miss_tolerance(ladder)
+    if wider > ladder.tolerance:
+        why = [w for w, v in (("its own interval", ladder.configured_spread),
+                              (f"the feed alone measured first and last {ladder.feed_drift:.0%} apart", ladder.feed_drift))
+               if v > ladder.tolerance]
+        text += f", {wider:.0%} against the run ({'; '.join(why)})"
+    return text
 
 
 def step_name(ladder: Ladder, changes: Setting) -> str:
@@ -823,9 +837,7 @@ def render(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], gpu: str
                      f"{k['gpu_kernel_busy_fraction']:.2f} of the wall, launch gaps {k['launch_gap_ms']:.3f} ms/step, "
                      f"copies under kernels {_fraction(k['h2d_overlapped_by_kernels_fraction'])}")
     lines.append(f"  the model gives {modelled(ladder):.3f} for the run as configured; tolerance {ladder.tolerance:.0%}"
-                 + _drifts(ladder)
-                 + (f", {miss_tolerance(ladder):.0%} against the run (its own interval)"
-                    if miss_tolerance(ladder) > ladder.tolerance else ""))
+                 + _tolerances(ladder))
     miss = model_miss(ladder)
     if cautioned(ladder, verdict):  # (no verdict: its line says why)
         rung = disagreeing_rung(ladder)
@@ -972,8 +984,8 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
 
 
 def _rungs_of_the_loop() -> Callable[[object], dict]:
-    """The rungs as runs of the loop, in this process, sharing one dataset (built once: a dataset of
-    files is read once, not once a rung)."""
+    """The rungs as runs of the loop, in this process, sharing one dataset (`BuiltOnce`: MNIST's
+    and CIFAR-10's files are read once, not once a rung)."""
     from datasets import BuiltOnce
     from trainer.loop.run import run  # here: the rungs are runs of the loop
     built = BuiltOnce()
