@@ -292,9 +292,9 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
 _started = []
 
 
-def torchrun(tmp_path: Path, uri: str, *args: str, nproc: int = 2, **popen) -> subprocess.Popen:
+def torchrun(tmp_path: Path, uri: str, *args: str, nproc: int = 2, entry=("-m", "trainer"), **popen) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--monitor-interval=0.2",
-           "-m", "trainer", *args, f"tracking.uri={uri}"]
+           *entry, *args, f"tracking.uri={uri}"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
     _started.append(proc)
     return proc
@@ -329,6 +329,19 @@ def ranks_of(pid: int, timeout: float = 60) -> dict:
 
 def alive(pids) -> list:
     return [p for p in pids if Path(f"/proc/{p}").exists() and b") Z " not in Path(f"/proc/{p}/stat").read_bytes()]
+
+
+def test_ranks_leave_the_process_group_together_as_nccl_needs(tmp_path, tracking_uri):
+    """NCCL's shutdown may wait for every peer. With gloo made to do the same
+    (`tests/shutdown_together.py`), a two-rank run ends FINISHED and every process exits: no rank
+    sits in the process group's shutdown while another waits for it to be done."""
+    script = str(Path(__file__).with_name("shutdown_together.py"))
+    proc = torchrun(tmp_path, tracking_uri, *SMALL, "engine.epochs=1", f"hydra.run.dir={tmp_path}/run",
+                    entry=(script,), start_new_session=True)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    (r,) = all_runs(tracking_uri)
+    assert r.info.status == "FINISHED" and r.data.tags["world_size"] == "2"
 
 
 def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path, tracking_uri, tiny_cfg):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
 import subprocess
 import sys
 import random
@@ -360,8 +362,12 @@ def test_two_gpus_one_run_with_nccl_equal_to_one_gpu(strategy, tmp_path, tiny_cf
     devices, with the aggregate figures, and epoch checksums equal to a one-GPU run's."""
     size = ["engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", "dataset.chunks=2",
             f"loader={strategy}", "engine.epochs=2", "engine.verify=true", "engine.progress=false"]
-    proc = _torchrun(tmp_path, tracking_uri, *size)
-    _, err = proc.communicate(timeout=600)
+    proc = _torchrun(tmp_path, tracking_uri, *size, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # a launch that hangs fails this test, not the whole call
     assert proc.returncode == 0, err
     (r,) = runs()
     assert (r.info.status, r.data.tags["world_size"], r.data.tags["backend"]) == ("FINISHED", "2", "nccl")
@@ -379,8 +385,6 @@ def test_two_gpus_one_run_with_nccl_equal_to_one_gpu(strategy, tmp_path, tiny_cf
 def test_a_failing_rank_ends_an_nccl_run_failed(tmp_path, tracking_uri):
     """Rank 1's DataLoader worker is killed while rank 0 waits in NCCL's all-reduce: the run ends
     FAILED with rank 1's error, and every process exits well before torchrun's SIGKILL."""
-    import os
-    import signal
     from clirun import steps_csv, wait_for_running
     proc = _torchrun(tmp_path, tracking_uri, "engine.device=cuda", "model=mlp", "model.busy_ms=5",
                      "dataset.num_samples=200000", "dataset.shape=[8,8]", "loader.batch_size=8", "engine.epochs=1",

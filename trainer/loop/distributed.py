@@ -56,6 +56,7 @@ PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compu
             "median_step_ms", "timed_wall_s")
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
+ARRIVED_KEY = "feedbench/finishing"  # how many ranks have reached `finish`
 _launched_store = None  # the store, kept past the process group's end
 _groups: Dict[float, object] = {}  # the ranks' own gloo groups, by timeout
 _runs = 0  # runs this process has started: the store keys of each run are its own
@@ -104,16 +105,21 @@ def launch() -> None:
 
 def finish() -> None:
     """At the end of the process (the entry point's last step). After a failure or interrupt
-    anywhere (recorded in the store), leave at once. Otherwise the other ranks wait for rank 0
-    to be done, to its very exit (it may still close a sweep's parent run then): a rank that
-    exits first, even with an error every rank shares, makes torchrun stop rank 0 half-way.
-    Then each leaves the process group."""
+    anywhere (recorded in the store), leave at once. Otherwise every rank waits here for all the
+    others, then each leaves the process group, all at once: NCCL's shutdown may wait for its
+    peers (`ncclCommAbort` is a collective call in some NCCL versions), so a rank that left it
+    while another was still busy would wait for that one forever. Then the other ranks wait for
+    rank 0 to be done, to its very exit (it may still close a sweep's parent run then): a rank
+    that exits first, even with an error every rank shares, makes torchrun stop rank 0 half-way.
+    The store, hosted by torchrun's agent, outlives the process group."""
     store = _launched_store
     if store is None or not dist.is_initialized():
         return
+    size = world()[1]
     try:
-        while not is_main_process() and not store.check([DONE_KEY]) and not store.check([STOPPED_KEY]):
-            time.sleep(0.1)
+        store.add(ARRIVED_KEY, 1)
+        while store.add(ARRIVED_KEY, 0) < size and not store.check([STOPPED_KEY]):
+            time.sleep(0.05)
         if store.check([STOPPED_KEY]):
             # torchrun's SIGTERM is on its way: it must not cut short what is left (a sweep's
             # parent run is closed at exit), and this process is ending anyway.
@@ -122,6 +128,11 @@ def finish() -> None:
     except Exception:  # the store went with torchrun's agent: nothing left to wait for
         return
     dist.destroy_process_group()
+    try:
+        while not is_main_process() and not store.check([DONE_KEY]) and not store.check([STOPPED_KEY]):
+            time.sleep(0.1)
+    except Exception:
+        pass
 
 
 def _main_done() -> None:
