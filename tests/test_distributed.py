@@ -463,6 +463,76 @@ def test_a_failing_rank_fails_the_run_and_every_process_exits(tmp_path, tracking
     assert len(all_runs(tracking_uri)) == 1  # rank 1 recorded nothing of its own
 
 
+HOLDING = ["pinned_chunk", "pinned_uva", "pinned_gather"]  # the strategies that hold the whole dataset on the host
+
+
+def test_the_ranks_of_a_host_hold_one_copy_of_the_dataset(tmp_path, tracking_uri):
+    """gloo, 2 ranks, a 256 MiB dataset, each strategy that holds it whole, with one shared host copy
+    and with a copy per rank: the ranks train on the same batches either way (equal checksums),
+    and together hold about one dataset less with the shared copy (their proportional set sizes,
+    as the loop ended, added), which the rank that made it reports once (`shared_host_mb`)."""
+    mib = 256  # against the ranks' own few hundred MiB, which vary by tens from one launch to the next
+    size = ["dataset.num_samples=1024", "dataset.shape=[256,256]", "loader.batch_size=128", "engine.max_steps=6",
+            "engine.verify=true", "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu", "model=noop"]
+    for shared in ("true", "false"):  # one launch each: job k of either runs in a process that ran the same k - 1 jobs
+        proc = torchrun(tmp_path, tracking_uri, "-m", f"loader={','.join(HOLDING)}", f"loader.shared_host_copy=choice({shared})",  # swept: a key of these strategies, not the default one
+                        *size, f"hydra.sweep.dir={tmp_path}/sweep{shared}", start_new_session=True)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    jobs = {(r.data.tags["strategy"], r.data.params["loader.shared_host_copy"]): r
+            for r in all_runs(tracking_uri) if r.data.tags.get("sweep") != "true"}
+    assert len(jobs) == 6 and all(r.info.status == "FINISHED" for r in jobs.values())
+    for strategy in HOLDING:
+        shared, own = jobs[strategy, "True"], jobs[strategy, "False"]
+        assert shared.data.tags["data_checksum_by_rank"] == own.data.tags["data_checksum_by_rank"], strategy
+        assert shared.data.metrics["shared_host_mb"] == pytest.approx(mib, abs=0.1) and "shared_host_mb" not in own.data.metrics
+        saved = own.data.metrics["ranks_host_pss_mb"] - shared.data.metrics["ranks_host_pss_mb"]
+        # (the ranks' own memory varies by tens of MiB between the launches, whatever they hold)
+        assert 0.5 * mib < saved < 1.5 * mib, (strategy, saved)
+
+
+def _mapping_kib(pid: int, name: str, field: str) -> int:
+    """`field` (Rss, Pss, ...) in KiB of the mappings of process `pid` whose file is `name`."""
+    total, inside = 0, False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:  # a mapping's header: address range, ..., path
+            inside = name in line
+        elif inside and line.startswith(f"{field}:"):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_killed_launch_leaves_no_shared_copy_behind(tmp_path, tracking_uri):
+    """Both ranks map the same file (one inode) while they train, and its pages, counted over the
+    ranks in proportion (Pss), are one dataset; rank 1 killed, every process exits and no process
+    maps the shared copy any more: its memory has gone back to the system (it never had a name in
+    /dev/shm or any other filesystem)."""
+    from trainer.loaders.host_copy import NAME_PREFIX
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    proc = torchrun(tmp_path, tracking_uri, *LONG, "loader=pinned_uva", f"hydra.run.dir={tmp_path}/run",
+                    start_new_session=True)
+    (r,) = wait_for_running(tracking_uri, proc)
+    ranks = ranks_of(proc.pid)
+    inodes = {rank: {line.split()[4] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if NAME_PREFIX in line}
+              for rank, pid in ranks.items()}
+    assert len(inodes[0]) == 1 and inodes[0] == inodes[1], inodes
+    pss = sum(_mapping_kib(pid, NAME_PREFIX, "Pss") for pid in ranks.values())
+    assert pss * 1024 == pytest.approx(100000 * 4 * 4 * 4 + 100000 * 8, rel=0.01)  # LONG's samples and labels, once
+    os.kill(ranks[1], signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not alive(ranks.values())
+    holders = []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if NAME_PREFIX in maps.read_text():
+                holders.append(maps.parent.name)
+        except OSError:
+            pass  # a process that ended meanwhile, or one we may not read
+    assert not holders
+    assert (set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()) <= shm_before
+    assert MlflowClient(tracking_uri).get_run(r.info.run_id).info.status == "KILLED"  # torchrun stopped rank 0
+
+
 def test_ctrl_c_under_torchrun_marks_the_run_killed(tmp_path, tracking_uri):
     """torchrun forwards SIGINT to every rank: the run is KILLED with its steps, all ranks exit."""
     proc = torchrun(tmp_path, tracking_uri, *LONG, f"hydra.run.dir={tmp_path}/run", start_new_session=True)

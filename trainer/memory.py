@@ -29,6 +29,24 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def process_memory_mb() -> dict:
+    """This process's host memory now, in MiB: `host_rss_mb`, its resident pages (a page it shares
+    with other processes counted whole, in each of them), and `host_pss_mb`, its proportional
+    share (each shared page divided among the processes that map it: the ranks' figures add up to
+    what they hold together). Linux; elsewhere, the peak resident size only."""
+    try:
+        found = {}
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("Rss", "Pss"):
+                    found[f"host_{key.lower()}_mb"] = int(value.split()[0]) / 1024
+        return found
+    except OSError:
+        import resource
+        return {"host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
 def check_host_fits(needed: int, what: str, fix: Union[str, Callable[[int], str]]) -> None:
     """Fail before allocating `needed` bytes of host memory the machine does not have (page-locked
     memory cannot be swapped out, and a pageable overcommit ends in the OOM killer mid-run)."""

@@ -17,10 +17,12 @@ sequence of batches the same way; when it shuffles, that sequence is its own: se
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+
+from trainer.loaders.host_copy import HostPeers
 
 
 def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
@@ -32,10 +34,12 @@ def epoch_order(n: int, shuffle: bool, seed: int, epoch: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Shard:
-    """This rank's share of every epoch: the epoch's batches `rank`, `rank + world_size`, ..."""
+    """This rank's share of every epoch: the epoch's batches `rank`, `rank + world_size`, ...;
+    and the ranks it shares its host with (`peers`: for a host copy of the dataset they share)."""
 
     rank: int = 0
     world_size: int = 1
+    peers: HostPeers = field(default=HostPeers(), compare=False)
 
     @property
     def whole(self) -> bool:

@@ -34,6 +34,7 @@ import torch
 
 from trainer.errors import ConfigError, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
+from trainer.loaders.host_copy import HostCopy, holds_copy, shared_figures
 from trainer.loaders.order import Shard, epoch_order
 from trainer.loaders.stream import SideStreamCopier, made_events
 from trainer.memory import check_host_fits, chunk_samples_for, host_buffer_bytes
@@ -52,6 +53,7 @@ class PinnedChunkLoader(DeviceLoader):
         name: str = "pinned_chunk"
         depth: int = 1  # slices copied ahead on the side stream
         shuffle_rows: bool = False  # also permute the rows of each chunk once, when it is loaded
+        shared_host_copy: bool = True  # under torchrun, a dataset of one chunk: one page-locked copy per host, not per rank
 
         def __post_init__(self):
             super().__post_init__()
@@ -67,23 +69,49 @@ class PinnedChunkLoader(DeviceLoader):
         n_chunk_buffers = 1 if dataset.num_chunks == 1 else 2
         sizes = [dataset.chunk_samples] * n_chunk_buffers + [cfg.batch_size] * _STAGES * (n_chunk_buffers > 1)
         pin, shape = self.on_cuda, dataset.sample_shape
+        # One chunk, loaded once: under torchrun the ranks of a host may share it (`HostCopy`).
+        self.copy = None
+        one = n_chunk_buffers == 1 and cfg.shared_host_copy and not shard.peers.alone
         held = sum(host_buffer_bytes(rows * dataset.sample_bytes, pin) + host_buffer_bytes(rows * 8, pin)  # + int64 labels
-                   for rows in sizes)
+                   for rows in sizes) * (not one or holds_copy(shard.peers, True))
         check_host_fits(held, f"loader=pinned_chunk ({n_chunk_buffers} page-locked buffer(s) of "
                               f"dataset.chunk_samples={dataset.chunk_samples})",
                         lambda free: f"set dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)} "
                                      f"or a smaller dataset.num_samples")
-        self.buffers = [(pinned_empty((rows, *shape), dataset.storage_dtype, pin), pinned_empty((rows,), torch.int64, pin))
-                        for rows in sizes]
+        if one:
+            self.copy = HostCopy(len(dataset), shape, dataset.storage_dtype, self._fill, pin, shard.peers)
+            self.buffers = [(self.copy.x, self.copy.y)]
+            held = self.copy.nbytes * self.copy.filled_here
+        else:
+            self.buffers = [(pinned_empty((rows, *shape), dataset.storage_dtype, pin), pinned_empty((rows,), torch.int64, pin))
+                            for rows in sizes]
         self.pinned_bytes = held if pin else 0
+        self.shared = shared_figures(self.copy)  # (figures() is asked once the loader has closed)
         # Per buffer, an event recorded after every copy that reads it (`_copied`): the buffer is
         # free once its latest record has completed (copies run in order on the side stream).
         self.buffer_events = made_events(len(self.buffers), self.copier.stream, blocking=True) if pin else None
         self.load_device = self._thread_device()  # the load thread selects it before any CUDA call
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="chunk-load") if n_chunk_buffers > 1 else None
-        self.ready = self._load(0, 0)  # (chunk, buffer, x, y), or a Future of it
+        # (chunk, buffer, x, y), or a Future of it; a shared chunk is loaded (by the host's first rank) already
+        self.ready = (0, 0, *self.buffers[0]) if self.copy is not None else self._load(0, 0)
         self.setup_s = time.perf_counter() - start
         self.epoch = 0
+
+    def figures(self) -> dict:
+        """`shared_host_mb`: the host copy this rank made for every rank of its host."""
+        return self.shared
+
+    def _fill(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """The one chunk into a copy shared by the host's ranks, as `_load` loads it into a buffer."""
+        _, labels = self.dataset.load_chunk(0, out=x)
+        y.copy_(labels)
+        self._shuffle_rows(x, y, 0)
+
+    def _shuffle_rows(self, x: torch.Tensor, y: torch.Tensor, chunk: int) -> None:
+        if self.cfg.shuffle_rows:
+            perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.seed * 7919 + chunk))
+            x.copy_(x[perm])
+            y.copy_(y[perm])
 
     def _wait_free(self, buffer: int) -> None:
         """Block (asleep) until no issued copy still reads `buffer`."""
@@ -98,10 +126,7 @@ class PinnedChunkLoader(DeviceLoader):
         n = len(x)
         y_buf[:n].copy_(y)
         x, y = x_buf[:n], y_buf[:n]
-        if self.cfg.shuffle_rows:
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 7919 + chunk))
-            x.copy_(x[perm])
-            y.copy_(y[perm])
+        self._shuffle_rows(x, y, chunk)
         return chunk, buffer, x, y
 
     def _load_in_background(self, chunk: int, buffer: int):
@@ -170,3 +195,6 @@ class PinnedChunkLoader(DeviceLoader):
         if self.pool is not None:  # first: the load thread may be writing a buffer
             self.pool.shutdown(wait=True, cancel_futures=True)
         self.buffers, self.ready = [], None
+        if self.copy is not None:
+            self.copy.close(after=self.copier.stream if self.on_cuda else None)  # once no copy reads it
+            self.copy = None

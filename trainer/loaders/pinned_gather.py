@@ -37,6 +37,7 @@ import torch
 
 from trainer.errors import RunFailed, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
+from trainer.loaders.host_copy import holds_copy, shared_figures, whole_dataset
 from trainer.loaders.order import Shard
 from trainer.loaders.stream import SideStreamCopier, made_events
 from trainer.memory import check_host_fits, chunk_samples_for, host_buffer_bytes
@@ -55,6 +56,7 @@ class PinnedGatherLoader(DeviceLoader):
         name: str = "pinned_gather"
         depth: int = 1  # batches copied ahead on the side stream
         threads: int = 4  # threads gathering rows into the page-locked slots (depth + threads + 1 slots)
+        shared_host_copy: bool = True  # under torchrun: one copy of the dataset per host, not per rank
 
         def __post_init__(self):
             super().__post_init__()
@@ -66,7 +68,7 @@ class PinnedGatherLoader(DeviceLoader):
         start = time.perf_counter()
         n, rows = len(dataset), min(cfg.batch_size, len(dataset))
         self.num_slots = cfg.depth + cfg.threads + 1
-        source_bytes = dataset.nbytes + n * 8  # samples + int64 labels
+        source_bytes = holds_copy(shard.peers, cfg.shared_host_copy) * (dataset.nbytes + n * 8)  # samples + labels
         slot_rows, pin = self.num_slots * rows, self.on_cuda  # the slots' samples and int64 labels
         slot_bytes = host_buffer_bytes(slot_rows * dataset.sample_bytes, pin) + host_buffer_bytes(slot_rows * 8, pin)
         check_host_fits(source_bytes + slot_bytes,
@@ -75,7 +77,10 @@ class PinnedGatherLoader(DeviceLoader):
                         lambda free: f"set a smaller dataset.num_samples, or use loader=pinned_chunk with "
                                      f"dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)} "
                                      f"(it holds two chunks, not the whole dataset)")
-        self.x, self.y = _load_whole(dataset)
+        # The rows are read on the host (by the threads), so the copy need not be page-locked.
+        self.copy = whole_dataset(dataset, False, shard.peers, cfg.shared_host_copy)
+        self.x, self.y = self.copy.x, self.copy.y
+        self.shared = shared_figures(self.copy)  # (figures() is asked once the loader has closed)
         shape = dataset.sample_shape
         self.slots_x = pinned_empty((self.num_slots, rows, *shape), dataset.storage_dtype, pin)
         self.slots_y = pinned_empty((self.num_slots, rows), torch.int64, pin)
@@ -243,9 +248,15 @@ class PinnedGatherLoader(DeviceLoader):
                 self.closed = True  # only now: no thread can write a slot any more
                 super().close()  # drops the slots (`_release`), then their page-locked blocks
 
+    def figures(self) -> dict:
+        """`shared_host_mb`: the host copy this rank made for every rank of its host."""
+        return self.shared
+
     def _release(self):
         self.pending.clear()
-        self.x = self.y = self.slots_x = self.slots_y = None
+        if self.copy is not None:
+            self.copy.close()
+        self.copy = self.x = self.y = self.slots_x = self.slots_y = None
         self._src_x = self._src_y = None
         self._dst_x, self._dst_y, self._views, self.slot_events = [], [], [], None
 
@@ -318,21 +329,6 @@ def _result(outcome) -> int:
         e = outcome.error
         raise RunFailed(f"a loader=pinned_gather gather thread failed: {type(e).__name__}: {e}") from e
     return outcome
-
-
-def _load_whole(dataset):
-    """The whole dataset as one host tensor (storage dtype) plus int64 labels, loaded chunk by chunk."""
-    if dataset.num_chunks == 1:
-        x, y = dataset.load_chunk(0)
-        return x.contiguous(), y.to(torch.int64).contiguous()
-    n = len(dataset)
-    x = torch.empty((n, *dataset.sample_shape), dtype=dataset.storage_dtype)
-    y = torch.empty((n,), dtype=torch.int64)
-    for c in range(dataset.num_chunks):
-        lo, hi = dataset.chunk_range(c)
-        _, labels = dataset.load_chunk(c, out=x[lo:hi])
-        y[lo:hi].copy_(labels)
-    return x, y
 
 
 def _row_bytes(t: torch.Tensor) -> np.ndarray:

@@ -40,6 +40,7 @@ import torch
 
 from trainer.errors import ConfigError, RunFailed, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig, pinned_empty
+from trainer.loaders.host_copy import holds_copy, shared_figures, whole_dataset
 from trainer.loaders.order import Shard
 from trainer.memory import check_gpu_fits, check_host_fits, chunk_samples_for, host_buffer_bytes
 
@@ -58,6 +59,7 @@ class PinnedUvaLoader(DeviceLoader):
         depth: int = 2  # batches gathered ahead on the side stream (depth + 2 device slots)
         ctas: int = 0  # thread blocks of the gather kernel; 0: from the row size (4 to 32), doubled while the step waits for its gather
         gather_in_graph: bool = False  # with engine.cuda_graph=true: the next batch's gather is captured in the step's graph
+        shared_host_copy: bool = True  # under torchrun: one page-locked copy of the dataset per host, not per rank
 
         def __post_init__(self):
             super().__post_init__()
@@ -68,13 +70,15 @@ class PinnedUvaLoader(DeviceLoader):
         super().__init__(cfg, dataset, device, seed, shard)
         start = time.perf_counter()
         n, rows = len(dataset), min(cfg.batch_size, len(dataset))
-        check_host_fits(dataset.nbytes + n * 8,
+        check_host_fits(holds_copy(shard.peers, cfg.shared_host_copy) * (dataset.nbytes + n * 8),
                         f"loader=pinned_uva (the whole dataset in {'page-locked ' * self.on_cuda}host memory)",
                         lambda free: f"set a smaller dataset.num_samples, or use loader=pinned_chunk with "
                                      f"dataset.chunk_samples={chunk_samples_for(dataset.sample_bytes + 8, free)}")
         if cfg.gather_in_graph:
             self._check_full_batches()
-        self.x, self.y = _load_pinned(dataset, pin=self.on_cuda)
+        self.copy = whole_dataset(dataset, self.on_cuda, shard.peers, cfg.shared_host_copy)
+        self.x, self.y = self.copy.x, self.copy.y
+        self.shared = shared_figures(self.copy)  # (figures() is asked once the loader has closed)
         self.closed, self.epoch = False, 0
         self.gather, self.fallback = None, None  # the kernel; else why it is not used (a CUDA run only)
         self.tuning: Optional[BlockTuning] = None  # loader.ctas=0 on the ring: the blocks, from the step's waits
@@ -88,8 +92,10 @@ class PinnedUvaLoader(DeviceLoader):
         return super().degraded or self.fallback is not None
 
     def figures(self) -> dict:
-        """`gather_blocks`: the gather kernel's thread blocks at the end of the run (a CUDA run with the kernel)."""
-        return {"gather_blocks": float(self.blocks)} if self.blocks else {}
+        """`gather_blocks`: the gather kernel's thread blocks at the end of the run (a CUDA run with
+        the kernel); `shared_host_mb`: the host copy this rank made for every rank of its host."""
+        out = {"gather_blocks": float(self.blocks)} if self.blocks else {}
+        return {**out, **self.shared}
 
     def _check_full_batches(self) -> None:
         """A graph replays one batch shape: every batch of every epoch must be full."""
@@ -103,7 +109,9 @@ class PinnedUvaLoader(DeviceLoader):
         """The device side: labels, the side stream, the kernel; then the ring of slots and their
         events, or (`loader.gather_in_graph`, with the kernel) the graph feed's buffers."""
         ds, in_graph, slots = self.dataset, self.cfg.gather_in_graph, self.cfg.depth + 1 + HOLD
-        self.pinned_bytes = host_buffer_bytes(self.x.nbytes, pinned=True)  # as the host allocator reserves it
+        # As the host allocator reserves it; a copy shared by the host's ranks, by the rank that made it.
+        self.pinned_bytes = host_buffer_bytes(self.x.nbytes, pinned=True) if not self.copy.shared else \
+            self.copy.nbytes * self.copy.filled_here
         if in_graph:  # the gathered batch, the step's float32 input, two epochs of order
             what = "the next batch, the step's input and two epochs' order"
             needed = rows * (ds.sample_bytes + 4 * math.prod(ds.sample_shape) + 16) + 2 * len(self) * rows * 8
@@ -287,6 +295,9 @@ class PinnedUvaLoader(DeviceLoader):
             self.y_dev = self.gather = self.graph_feed = self.tuning = None
         self.closed = True
         self.x = self.y = None
+        if self.copy is not None:
+            self.copy.close()  # after the stream's gathers (synchronized above)
+            self.copy = None
 
 
 class UvaGraphFeed:
@@ -461,18 +472,6 @@ def more_blocks(blocks: int, most: int, waits_ms: List[float], gaps_ms: List[flo
     if wait > 0 and wait >= waited * statistics.median(gaps_ms):
         return min(most, 2 * blocks)
     return blocks
-
-
-def _load_pinned(dataset, pin: bool):
-    """The whole dataset as one (page-locked when `pin`) host tensor plus int64 labels, loaded chunk by chunk."""
-    n = len(dataset)
-    x = pinned_empty((n, *dataset.sample_shape), dataset.storage_dtype, pin)
-    y = torch.empty((n,), dtype=torch.int64)
-    for c in range(dataset.num_chunks):
-        lo, hi = dataset.chunk_range(c)
-        _, labels = dataset.load_chunk(c, out=x[lo:hi])
-        y[lo:hi].copy_(labels)
-    return x, y
 
 
 def _kernel(x: torch.Tensor, y: torch.Tensor, y_dev: torch.Tensor, ctas: int, stream):

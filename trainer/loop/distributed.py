@@ -46,6 +46,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.launch import LAUNCH_TIME_ENV
 from trainer.validate import available_cores
+from trainer.loaders.host_copy import HostPeers
 from trainer.loaders.order import Shard
 from trainer.loop.engine import planned_steps
 from trainer.loop.verify import combine_ranks
@@ -53,7 +54,7 @@ from trainer.loop.limits import h2d_burst
 
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",
-            "median_step_ms", "timed_wall_s")
+            "median_step_ms", "timed_wall_s", "host_rss_mb", "host_pss_mb")
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
 ARRIVED_KEY = "feedbench/finishing"  # how many ranks have reached `finish`
@@ -231,6 +232,9 @@ class Ranks:
         _runs += 1
         self.key = f"feedbench/run{_runs}/stop"
         self.store = _store()
+        peers = HostPeers(self.local_rank, self.local_world_size, self.store,
+                          f"feedbench/run{_runs}/{socket.gethostname()}", cfg.timeout_s)
+        self.shard = Shard(self.rank, self.world_size, peers)
         if cfg.timeout_s not in _groups:  # created by every rank alike, once per timeout
             _groups[cfg.timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
         self.group = _groups[cfg.timeout_s]
@@ -470,7 +474,9 @@ def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
     - `throughput_samples_per_s`: every rank's timed samples over the longest timed region;
     - `aggregate_h2d_GBps`: the ranks' copy bandwidths added (each is bytes over the time its
       own copies took): what the host delivered while they all copied;
-    - `total_samples`, `pinned_host_mb`: added; `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
+    - `total_samples`, `pinned_host_mb`, `shared_host_mb` (counted by the rank that made it): added;
+      `host_rss_mb`, `host_pss_mb`: the means (memory per rank), and `ranks_host_pss_mb` their sum
+      (what the ranks hold together, a shared copy once); `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
       `timed_wall_s`: the largest; the timed region: from the first start to the last end;
     - `final_loss` and the copy ceilings: rank 0's; every other figure: the mean over ranks;
     - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, stream span, median step.
@@ -488,7 +494,9 @@ def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
     else:
         out["throughput_samples_per_s"] = sum(s["throughput_samples_per_s"] for s in summaries)
     out["aggregate_h2d_GBps"] = sum(s.get("h2d_GBps", 0.0) for s in summaries)
-    for k, how in (("total_samples", sum), ("pinned_host_mb", sum), ("total_steps", max), ("peak_gpu_mem_mb", max),
+    if "host_pss_mb" in out:
+        out["ranks_host_pss_mb"] = sum(s["host_pss_mb"] for s in summaries)
+    for k, how in (("total_samples", sum), ("pinned_host_mb", sum), ("shared_host_mb", sum), ("total_steps", max), ("peak_gpu_mem_mb", max),
                    ("setup_s", max), ("timed_wall_s", max), ("timed_start_unix_s", min), ("timed_end_unix_s", max)):
         if k in out:
             out[k] = how(s[k] for s in summaries)

@@ -37,7 +37,7 @@ from trainer.loop.meter import StepMeter
 from trainer.loop.steps import STEP_COUNTS, build_optimizer
 from trainer.loop.summary import GPU_FIGURES
 from trainer.loop.verify import Checksum
-from trainer.memory import check_model_fits, limit_gpu_memory
+from trainer.memory import check_model_fits, limit_gpu_memory, process_memory_mb
 from trainer.loop.environment import describe
 from trainer.loop.heap import steady_heap
 from trainer.loop.limits import h2d_bandwidth
@@ -125,7 +125,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, ne
                 _opened(cfg, ranks, device, heap) as (stop, tracker):
             parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start, dataset)
             journal = _journal(parts, tracker) if ranks.is_main else None
-            error = None
+            error, memory = None, {}
             try:
                 with ranks.uneven(parts.model, parts.loader.batches_per_rank(), cfg.engine):
                     parts.loop.train(parts)
@@ -135,8 +135,9 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, ne
                 stop.hold()  # from the end of the loop on, a signal waits until the records are written
                 if journal is not None:
                     journal.close()
+                memory = process_memory_mb()  # while the loader still holds its data
                 _close(parts.loader, error)
-            summary, error = record(parts, tracker, ranks, error)
+            summary, error = record(parts, tracker, ranks, error, memory)
             if error is None and needs_objective:  # a study's trial: closed FAILED without its objective
                 with ranks.agree():
                     check_objective(cfg.engine, summary)
@@ -245,8 +246,8 @@ def _close(loader, error: Optional[BaseException]) -> None:
         print(f"warning: closing loader={loader.cfg.name} also failed: {' '.join(str(e).split())}", file=sys.stderr)
 
 
-def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) -> tuple:
-    """Log what was measured, in the order that keeps the most; returns the summary and the error
+def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException], memory: dict) -> tuple:
+    """Log what was measured (`memory`: the process's host memory as the loop ended), in the order that keeps the most; returns the summary and the error
     that ends the run (None: it finished). The meter's host-side rows never depend on the device:
     when reading the device fails (a sticky CUDA error), they are saved without the GPU columns,
     and the run's own error, if it had one, stays the one raised."""
@@ -264,7 +265,7 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException]) 
     if recompiled and ranks.is_main:
         print(recompiled, file=sys.stderr)
     summary = dict(result.summary, pinned_host_mb=parts.loader.pinned_bytes / 2**20, **parts.loader.figures(),
-                   **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load())
+                   **_step_counts(parts.step), **_peak_gpu_memory(parts), **host_load(), **memory)
     if parts.device.type != "cuda":  # no copy to a device, no compute stream: not 0, not measured
         summary.update({k: math.nan for k in GPU_FIGURES if k in summary})
     verified = parts.checksum.result() if parts.checksum is not None and error is None else None
