@@ -1,17 +1,32 @@
 #!/usr/bin/env bash
 # The multi_gpu preset on 1, 2 and 4 GPUs of this host (those it has), one torchrun launch per GPU
-# count, then one scaling table of the latest launch of each:
+# count; on several GPUs, also the strategies that hold the whole dataset on the host with a copy
+# per rank (loader.shared_host_copy=false), for the host memory they take; then one scaling table
+# of the latest launch of each:
 #   bash benchmarks/multi_gpu.sh               # GPU counts 1 2 4
 #   COUNTS="1 2" bash benchmarks/multi_gpu.sh  # only these
-# Extra arguments go to every launch (e.g. engine.max_steps=200).
-set -euo pipefail
+# Extra arguments go to every launch (e.g. engine.max_steps=100). Each launch is limited to
+# LAUNCH_S seconds (default 240): one that hangs is stopped, and the table shows what finished.
+set -uo pipefail
 cd "$(dirname "$0")/.."
+start=$(date +%s)
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+launch() {  # GPU count, then the arguments of one torchrun launch
+  local n=$1; shift
+  timeout -k 10 "${LAUNCH_S:-240}" python -m torch.distributed.run --standalone --nproc_per_node="$n" -m trainer -m "$@" \
+    || echo "launch on $n GPU(s) ended with status $? after $(( $(date +%s) - start )) s: $*" >&2
+}
 for n in ${COUNTS:-1 2 4}; do
   if [ "$n" -gt "$gpus" ]; then
     echo "skipping $n GPUs: this host has $gpus" >&2
     continue
   fi
-  python -m torch.distributed.run --standalone --nproc_per_node="$n" -m trainer -m experiment=multi_gpu "$@"
+  launch "$n" experiment=multi_gpu "$@"
+  if [ "$n" -gt 1 ]; then
+    launch "$n" experiment=multi_gpu loader=pinned_chunk,pinned_uva,pinned_gather model=noop \
+      'loader.shared_host_copy=choice(false)' tracking.experiment=multi_gpu_own_copies "$@"
+  fi
+  echo "after $n GPU(s): $(( $(date +%s) - start )) s" >&2
 done
 python -m trainer.tools.scaling --experiment multi_gpu --markdown docs/results/multi_gpu.md
+echo "multi_gpu.sh: $(( $(date +%s) - start )) s in all" >&2

@@ -277,10 +277,17 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
     for r in report.children(client, sweeps[1]):
         client.log_metric(r.info.run_id, "throughput_samples_per_s", 2000.0)
         client.log_metric(r.info.run_id, "h2d_GBps", 5.0)
-    rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"))
+        client.log_metric(r.info.run_id, "host_pss_mb", 900.0)
+    own_id = sweep.start_parent(tiny_cfg("tracking.experiment=feedbench_own_copies").tracking, "own", ["loader"], {"world_size": "2"})
+    run(tiny_cfg("loader=pinned", "tracking.experiment=feedbench_own_copies", f"tracking.parent_run_id={own_id}"))
+    (copies,) = report.children(client, client.get_run(own_id))
+    client.log_metric(copies.info.run_id, "host_pss_mb", 1100.0)
+    rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"),
+                                scaling.latest_sweeps(client, "feedbench_own_copies", required=False))
     assert [(r["loader"], r["gpus"]) for r in rows] == [("baseline", 1), ("baseline", 2), ("pinned", 1), ("pinned", 2)]
     two = rows[1]
     assert (two["× 1 GPU"], two["efficiency"], two["copy × 1 GPU"], two["of ceiling"]) == (1.5, 0.75, 1.6, 0.8)
+    assert (rows[2]["host MiB/rank"], rows[3]["… own copies"], two["… own copies"]) == (900.0, 1100.0, None)
     assert rows[0]["× 1 GPU"] == 1.0 and rows[0]["ceiling GB/s"] is None  # no CUDA: no ceiling measured
     assert scaling.main(["--uri", tracking_uri, "--experiment", "feedbench", "--markdown", str(Path(tracking_uri[10:]).parent / "s.md")]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -431,6 +438,16 @@ def test_torchrun_four_ranks_with_drop_last_train_on_the_one_process_batches(tmp
         assert r.data.tags["epoch_checksums"] == alone[strategy if strategy == "pinned_chunk" else "baseline"], strategy
         if strategy != "pinned_chunk":
             assert r.data.tags["data_checksum_by_rank"].split(",") == by_rank, strategy
+
+
+def test_the_gpu_topology_is_read_from_nvidia_smi():
+    """`nvidia-smi topo -m` as a two-H100 host prints it: the link between the GPUs, their NUMA node."""
+    from trainer.loop.environment import parse_topology
+    text = ("\t\x1b[4mGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\x1b[0m\n"
+            "GPU0\t X \tNV18\t0-31\t0\t\tN/A\nGPU1\tNV18\t X \t0-31\t0\t\tN/A\n\nLegend:\n\n  X    = Self\n")
+    topo = parse_topology(text)
+    assert sorted(topo) == ["GPU0", "GPU1"]
+    assert (topo["GPU0"]["GPU1"], topo["GPU1"]["NUMA Affinity"], topo["GPU1"]["GPU NUMA ID"]) == ("NV18", "0", "N/A")
 
 
 def test_multi_gpu_preset_sweeps_every_strategy_of_baselines_samples():

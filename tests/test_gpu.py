@@ -404,3 +404,42 @@ def test_a_failing_rank_ends_an_nccl_run_failed(tmp_path, tracking_uri):
     r = MlflowClient(tracking_uri).get_run(r.info.run_id)
     assert r.info.status == "FAILED" and "rank 1 failed" in r.data.tags["error"], err
     assert len(steps_csv(tracking_uri, r.info.run_id)) >= 1
+
+
+class _DictStore:
+    """The two calls of a torch.distributed store that a host copy's maker uses."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+def test_a_shared_host_copy_is_page_locked_for_copies_and_the_gather_kernel():
+    """The host's first rank's copy (its shared file, registered with cudaHostRegister): PyTorch
+    sees it as page-locked, an asynchronous copy from it and the pinned_uva gather kernel read the
+    bytes that were loaded, and closing it unregisters it."""
+    from trainer.loaders import uva_gather
+    from trainer.loaders.host_copy import HostCopy, HostPeers
+
+    def fill(x, y):
+        x.copy_(torch.arange(x.numel(), dtype=torch.int32).view_as(x))
+        y.copy_(torch.arange(len(y)))
+
+    copy = HostCopy(256, (64, 16), torch.int32, fill, pin=True, peers=HostPeers(0, 2, _DictStore(), "test"))
+    assert copy.shared and copy.x.is_pinned()
+    out = copy.x.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), copy.x)
+    labels = copy.y.to("cuda")
+    gather = uva_gather.RowGather(copy.x, labels, 4)
+    rows = torch.tensor([255, 3, 100], device="cuda")
+    target = torch.empty((3, 64, 16), dtype=torch.int32, device="cuda")
+    target_y = torch.empty(3, dtype=torch.int64, device="cuda")
+    gather(rows, gather.lanes(target), target_y)
+    torch.cuda.synchronize()
+    assert torch.equal(target.cpu(), copy.x[rows.cpu()]) and target_y.tolist() == [255, 3, 100]
+    x = copy.x
+    copy.close()
+    assert not x.is_pinned()

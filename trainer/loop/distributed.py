@@ -49,6 +49,7 @@ from trainer.validate import available_cores
 from trainer.loaders.host_copy import HostPeers
 from trainer.loaders.order import Shard
 from trainer.loop.engine import planned_steps
+from trainer.loop.environment import gpu_links, gpu_numa_node
 from trainer.loop.verify import combine_ranks
 from trainer.loop.limits import h2d_burst
 
@@ -402,6 +403,7 @@ class Ranks:
         if not self.enabled:
             return summary, verified
         mine = {"summary": summary, "verified": verified, "device": device_id(self.device_),
+                "gpu": (socket.gethostname(), self.device_.index, gpu_numa_node(self.device_)),
                 "rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}
         everyone = self._gather(mine)
         if not self.is_main:
@@ -409,6 +411,9 @@ class Ranks:
         tracker.set_tags({"device_ids": ",".join(dict.fromkeys(e["device"] for e in everyone)),
                           "steps_per_rank": ",".join(str(len(e["rows"])) for e in everyone),
                           "ddp_join": str(self.joined).lower()})  # join's extra all-reduce is in every step's time
+        if self.device_.type == "cuda":  # where each rank's GPU sits: its NUMA node, and how rank 0's host links them
+            here = [index for host, index, _ in (e["gpu"] for e in everyone) if host == socket.gethostname()]
+            tracker.set_tags({"gpu_numa_nodes": ",".join(e["gpu"][2] for e in everyone), "gpu_links": gpu_links(here) or "none"})
         for r, e in enumerate(everyone[1:], start=1):
             tracker.log_rows(e["rows"], f"steps_rank{r}.csv")
         if verified is not None:

@@ -10,7 +10,11 @@ an experiment and lines up every job (strategy, model) across them:
 - *ceiling GB/s*: every rank copying pinned batches at once (`aggregate_h2d_peak_pinned_GBps`;
   on one GPU: `h2d_peak_pinned_GBps`), and *of ceiling* the copy bandwidth over it;
 - *data wait* and *stream span* (`compute_stream_span_fraction`): means over the ranks; *overlap*: jobs timed at the same time on a
-  shared device (their figures are not to be trusted).
+  shared device (their figures are not to be trusted);
+- *host MiB/rank*: each rank's proportional share of host memory as its loop ended (`host_pss_mb`,
+  the mean over the ranks: a host copy of the dataset the ranks share is divided among them), and
+  *… own copies*: the same job run with a copy of the dataset per rank
+  (`loader.shared_host_copy=false`), from the experiment `<experiment>_own_copies` where it exists.
 """
 
 from __future__ import annotations
@@ -27,13 +31,17 @@ from trainer.errors import ConfigError
 from trainer.tracking import report
 
 COLUMNS = ("loader", "model", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
-           "ceiling GB/s", "of ceiling", "data wait", "stream span", "overlap")
-NUMERIC = set(COLUMNS[4:13])
+           "ceiling GB/s", "of ceiling", "data wait", "stream span", "host MiB/rank", "… own copies", "overlap")
+NUMERIC = set(COLUMNS[4:15])
+OWN_COPIES = "_own_copies"  # the experiment of the same jobs with a copy of the dataset per rank: `<experiment>_own_copies`
 
 
-def latest_sweeps(client: MlflowClient, experiment: str) -> Dict[int, Run]:
-    """world size -> the newest sweep (parent run) launched with it, in `experiment`."""
+def latest_sweeps(client: MlflowClient, experiment: str, required: bool = True) -> Dict[int, Run]:
+    """world size -> the newest sweep (parent run) launched with it, in `experiment` (none there:
+    an error, or {} when not `required`)."""
     exp = client.get_experiment_by_name(experiment)
+    if exp is None and not required:
+        return {}
     if exp is None:
         raise ConfigError(f"no experiment {experiment!r} in this store: run `bash benchmarks/multi_gpu.sh` first or pass --experiment")
     parents = client.search_runs([exp.experiment_id], filter_string="tags.sweep = 'true'",
@@ -46,8 +54,17 @@ def latest_sweeps(client: MlflowClient, experiment: str) -> Dict[int, Run]:
     return dict(sorted(found.items()))
 
 
-def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run]) -> List[Dict[str, object]]:
-    """One row per (strategy, model, world size), grouped by job, against the one-GPU figures."""
+def _host_mb(client: MlflowClient, sweeps: Dict[int, Run]) -> Dict[tuple, float]:
+    """(strategy, model, world size) -> host MiB per rank (`host_pss_mb`) of the finished jobs of `sweeps`."""
+    return {(r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?"), size): r.data.metrics["host_pss_mb"]
+            for size, parent in sweeps.items() for r in report.children(client, parent)
+            if r.info.status == "FINISHED" and "host_pss_mb" in r.data.metrics}
+
+
+def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Run] = {}) -> List[Dict[str, object]]:
+    """One row per (strategy, model, world size), grouped by job, against the one-GPU figures;
+    `own`: the sweeps of the same jobs with a copy of the dataset per rank."""
+    own_mb = _host_mb(client, own)
     jobs: Dict[tuple, Dict[int, Run]] = {}
     overlaps: Dict[str, List[str]] = {}
     for size, parent in sweeps.items():
@@ -71,6 +88,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run]) -> List[Dict[str,
                          "copy GB/s": copy, "copy × 1 GPU": copy / base_copy if copy and base_copy else None,
                          "ceiling GB/s": ceiling, "of ceiling": copy / ceiling if copy and ceiling else None,
                          "data wait": m.get("data_wait_fraction"), "stream span": m.get("compute_stream_span_fraction"),
+                         "host MiB/rank": m.get("host_pss_mb"), "… own copies": own_mb.get((loader, model, size)),
                          "overlap": "yes" if overlaps.get(r.info.run_id) else ""})
     return rows
 
@@ -78,7 +96,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run]) -> List[Dict[str,
 def _cell(column: str, value) -> str:
     if value is None or value == "":
         return "–" if column in NUMERIC else ""
-    if column == "samples/s":
+    if column in ("samples/s", "host MiB/rank", "… own copies"):
         return f"{value:,.0f}"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
@@ -107,10 +125,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         client, uri = report.open_store(args.uri)
         sweeps = latest_sweeps(client, args.experiment)
+        own = latest_sweeps(client, args.experiment + OWN_COPIES, required=False)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    rows = scaling_rows(client, sweeps)
+    rows = scaling_rows(client, sweeps, own)
     print(f"{args.experiment}: sweeps at {', '.join(str(n) for n in sweeps)} GPU(s) in {uri}")
     print(to_text(rows))
     if args.markdown:
