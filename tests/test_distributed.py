@@ -153,17 +153,19 @@ def test_summaries_combine_into_the_run_figures():
     a = {"throughput_samples_per_s": 100.0, "timed_wall_s": 2.0, "data_wait_fraction": 0.2, "h2d_GBps": 10.0,
          "compute_stream_span_fraction": 0.5, "total_samples": 250.0, "total_steps": 5.0, "pinned_host_mb": 30.0,
          "peak_gpu_mem_mb": 7.0, "timed_start_unix_s": 10.0, "timed_end_unix_s": 12.0, "final_loss": 1.5,
-         "h2d_peak_pinned_GBps": 50.0, "median_step_ms": 4.0}
-    b = dict(a, throughput_samples_per_s=50.0, timed_wall_s=4.0, data_wait_fraction=0.4, h2d_GBps=20.0,
+         "h2d_peak_pinned_GBps": 50.0, "median_step_ms": 4.0, "aggregate_h2d_peak_pinned_GBps": 90.0,
+         "host_pss_mb": 700.0, "shared_host_mb": 64.0}
+    b = dict(a, host_pss_mb=600.0, shared_host_mb=0.0, throughput_samples_per_s=50.0, timed_wall_s=4.0, data_wait_fraction=0.4, h2d_GBps=20.0,
              total_steps=6.0, peak_gpu_mem_mb=9.0, timed_start_unix_s=9.0, timed_end_unix_s=13.0, final_loss=2.0)
-    del b["h2d_peak_pinned_GBps"]
+    del b["h2d_peak_pinned_GBps"], b["aggregate_h2d_peak_pinned_GBps"]  # measured by rank 0 only
     out = distributed.combine_summaries([a, b])
     assert out["throughput_samples_per_s"] == (100 * 2 + 50 * 4) / 4  # all samples over the longest region
     assert out["aggregate_h2d_GBps"] == 30.0 and out["h2d_GBps"] == 15.0
     assert out["data_wait_fraction"] == pytest.approx(0.3)
     assert (out["total_samples"], out["pinned_host_mb"], out["total_steps"], out["peak_gpu_mem_mb"]) == (500, 60, 6, 9)
     assert (out["timed_start_unix_s"], out["timed_end_unix_s"], out["timed_wall_s"]) == (9.0, 13.0, 4.0)
-    assert out["final_loss"] == 1.5 and out["h2d_peak_pinned_GBps"] == 50.0
+    assert out["final_loss"] == 1.5 and out["h2d_peak_pinned_GBps"] == 50.0 and out["aggregate_h2d_peak_pinned_GBps"] == 90.0
+    assert (out["host_pss_mb"], out["ranks_host_pss_mb"], out["rank1/host_pss_mb"], out["shared_host_mb"]) == (650, 1300, 600, 64)
     assert out["rank1/data_wait_fraction"] == 0.4 and out["rank0/h2d_GBps"] == 10.0
     assert out["rank1/throughput_samples_per_s"] == 50.0
 

@@ -506,7 +506,7 @@ def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
         if k in out:
             out[k] = how(s[k] for s in summaries)
     for k, v in summaries[0].items():
-        if k == "final_loss" or k.startswith("h2d_peak_"):
+        if k == "final_loss" or k.startswith(("h2d_peak_", "aggregate_h2d_peak_")):  # rank 0 measures them
             out[k] = v
     for r, s in enumerate(summaries):
         out.update({f"rank{r}/{k}": s[k] for k in PER_RANK if k in s})
