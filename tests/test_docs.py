@@ -178,7 +178,7 @@ def check_script(words: List[str]) -> None:
     script = PROJECT_ROOT / words[1]
     assert script.is_file(), script
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    for name in re.findall(r"experiment=\"?(\w+)", script.read_text()):
+    for name in re.findall(r"(?<![\w.])experiment=\"?(\w+)", script.read_text()):  # not tracking.experiment=
         assert name in PRESETS or name == "preset", (script, name)
 
 

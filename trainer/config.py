@@ -305,11 +305,16 @@ class DistributedConfig:
     """Runs under torchrun (`torchrun --nproc_per_node=N -m trainer ...`); ignored in one process."""
 
     timeout_s: float = 300.0  # how long the ranks' own collectives (errors, results after the loop) wait for a rank
+    bucket_cap_mb: float = 25.0  # DDP's gradient buckets: each is all-reduced once its gradients are ready (PyTorch's default)
+    gradient_as_bucket_view: bool = False  # DDP: gradients are views of the buckets (no copy into them; PyTorch's default: false)
 
     def __post_init__(self):
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {self.timeout_s}): "
                               f"set distributed.timeout_s=300")
+        if not (self.bucket_cap_mb > 0 and math.isfinite(self.bucket_cap_mb)):
+            raise ConfigError(f"distributed.bucket_cap_mb must be a finite number of MiB > 0 (got {self.bucket_cap_mb}): "
+                              f"set distributed.bucket_cap_mb=25")
 
 
 @dataclass

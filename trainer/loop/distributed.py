@@ -55,7 +55,7 @@ from trainer.loop.limits import h2d_burst
 
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",
-            "median_step_ms", "timed_wall_s", "host_rss_mb", "host_pss_mb")
+            "median_step_ms", "timed_wall_s", "host_rss_mb", "host_pss_mb", "run_host_pss_mb")
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
 ARRIVED_KEY = "feedbench/finishing"  # how many ranks have reached `finish`
@@ -222,6 +222,7 @@ class Ranks:
         adopt_submitit_tasks()
         self.rank, self.world_size, self.local_rank, self.local_world_size = world()
         self.shard = Shard(self.rank, self.world_size)
+        self.ddp = {"bucket_cap_mb": cfg.bucket_cap_mb, "gradient_as_bucket_view": cfg.gradient_as_bucket_view}
         self.backend = "none"
         self.device_: Optional[torch.device] = None
         self.group = self.store = self._watch = None
@@ -310,7 +311,8 @@ class Ranks:
         if not self.enabled or not any(p.requires_grad for p in model.parameters()):
             return model
         ids = [self.device_.index] if self.device_.type == "cuda" else None
-        return DistributedModel(_LossForward(model), device_ids=ids)
+        return DistributedModel(_LossForward(model), device_ids=ids, bucket_cap_mb=self.ddp["bucket_cap_mb"],
+                                gradient_as_bucket_view=self.ddp["gradient_as_bucket_view"])
 
     def uneven(self, model: nn.Module, batches_per_rank: List[int], engine) -> contextlib.AbstractContextManager:
         """Ranks whose shards give them different numbers of steps would leave DDP's all-reduce
@@ -480,8 +482,8 @@ def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
     - `aggregate_h2d_GBps`: the ranks' copy bandwidths added (each is bytes over the time its
       own copies took): what the host delivered while they all copied;
     - `total_samples`, `pinned_host_mb`, `shared_host_mb` (counted by the rank that made it): added;
-      `host_rss_mb`, `host_pss_mb`: the means (memory per rank), and `ranks_host_pss_mb` their sum
-      (what the ranks hold together, a shared copy once); `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
+      `host_rss_mb`, `host_pss_mb`, `run_host_pss_mb`: the means (memory per rank), and
+      `ranks_host_pss_mb` the ranks' `host_pss_mb` added (what they hold together, a shared copy once); `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
       `timed_wall_s`: the largest; the timed region: from the first start to the last end;
     - `final_loss` and the copy ceilings: rank 0's; every other figure: the mean over ranks;
     - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, stream span, median step.

@@ -123,6 +123,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, ne
     try:
         with tempfile.TemporaryDirectory(prefix="feedbench-") as tmp, steady_heap(cfg.engine.steady_heap) as heap, \
                 _opened(cfg, ranks, device, heap) as (stop, tracker):
+            before = process_memory_mb()  # what the process held before this run's data, loader and model
             parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start, dataset)
             journal = _journal(parts, tracker) if ranks.is_main else None
             error, memory = None, {}
@@ -136,6 +137,8 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, ne
                 if journal is not None:
                     journal.close()
                 memory = process_memory_mb()  # while the loader still holds its data
+                if "host_pss_mb" in memory and "host_pss_mb" in before:
+                    memory["run_host_pss_mb"] = memory["host_pss_mb"] - before["host_pss_mb"]
                 _close(parts.loader, error)
             summary, error = record(parts, tracker, ranks, error, memory)
             if error is None and needs_objective:  # a study's trial: closed FAILED without its objective

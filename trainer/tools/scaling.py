@@ -11,8 +11,9 @@ an experiment and lines up every job (strategy, model) across them:
   on one GPU: `h2d_peak_pinned_GBps`), and *of ceiling* the copy bandwidth over it;
 - *data wait* and *stream span* (`compute_stream_span_fraction`): means over the ranks; *overlap*: jobs timed at the same time on a
   shared device (their figures are not to be trusted);
-- *host MiB/rank*: each rank's proportional share of host memory as its loop ended (`host_pss_mb`,
-  the mean over the ranks: a host copy of the dataset the ranks share is divided among them), and
+- *run MiB/rank*: the host memory each rank's run took, its dataset, loader and model
+  (`run_host_pss_mb`: its proportional share as its loop ended less the process's before the run;
+  the mean over the ranks; a host copy of the dataset the ranks share is divided among them), and
   *… own copies*: the same job run with a copy of the dataset per rank
   (`loader.shared_host_copy=false`), from the experiment `<experiment>_own_copies` where it exists.
 """
@@ -31,8 +32,9 @@ from trainer.errors import ConfigError
 from trainer.tracking import report
 
 COLUMNS = ("loader", "model", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
-           "ceiling GB/s", "of ceiling", "data wait", "stream span", "host MiB/rank", "… own copies", "overlap")
+           "ceiling GB/s", "of ceiling", "data wait", "stream span", "run MiB/rank", "… own copies", "overlap")
 NUMERIC = set(COLUMNS[4:15])
+RUN_MB = "run_host_pss_mb"
 OWN_COPIES = "_own_copies"  # the experiment of the same jobs with a copy of the dataset per rank: `<experiment>_own_copies`
 
 
@@ -55,10 +57,11 @@ def latest_sweeps(client: MlflowClient, experiment: str, required: bool = True) 
 
 
 def _host_mb(client: MlflowClient, sweeps: Dict[int, Run]) -> Dict[tuple, float]:
-    """(strategy, model, world size) -> host MiB per rank (`host_pss_mb`) of the finished jobs of `sweeps`."""
-    return {(r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?"), size): r.data.metrics["host_pss_mb"]
+    """(strategy, model, world size) -> host MiB per rank its run took (`run_host_pss_mb`), for the
+    finished jobs of `sweeps`."""
+    return {(r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?"), size): r.data.metrics[RUN_MB]
             for size, parent in sweeps.items() for r in report.children(client, parent)
-            if r.info.status == "FINISHED" and "host_pss_mb" in r.data.metrics}
+            if r.info.status == "FINISHED" and RUN_MB in r.data.metrics}
 
 
 def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Run] = {}) -> List[Dict[str, object]]:
@@ -88,7 +91,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
                          "copy GB/s": copy, "copy × 1 GPU": copy / base_copy if copy and base_copy else None,
                          "ceiling GB/s": ceiling, "of ceiling": copy / ceiling if copy and ceiling else None,
                          "data wait": m.get("data_wait_fraction"), "stream span": m.get("compute_stream_span_fraction"),
-                         "host MiB/rank": m.get("host_pss_mb"), "… own copies": own_mb.get((loader, model, size)),
+                         "run MiB/rank": m.get(RUN_MB), "… own copies": own_mb.get((loader, model, size)),
                          "overlap": "yes" if overlaps.get(r.info.run_id) else ""})
     return rows
 
@@ -96,7 +99,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
 def _cell(column: str, value) -> str:
     if value is None or value == "":
         return "–" if column in NUMERIC else ""
-    if column in ("samples/s", "host MiB/rank", "… own copies"):
+    if column in ("samples/s", "run MiB/rank", "… own copies"):
         return f"{value:,.0f}"
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
