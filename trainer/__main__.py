@@ -357,7 +357,8 @@ def cli() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(EXIT_FAILED) from None
     finally:
-        distributed.finish()  # under torchrun: rank 0 done first, then leave the process group
+        ended = sys.exc_info()[1]  # (an error: this rank says so and leaves; else every rank leaves together)
+        distributed.finish(failed=ended is not None and not (isinstance(ended, SystemExit) and ended.code in (0, None)))
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ def process_memory_mb() -> dict:
     share (each shared page divided among the processes that map it: the ranks' figures add up to
     what they hold together). Linux; elsewhere, the peak resident size only."""
     try:
+        _trim_heap()
         found = {}
         with open("/proc/self/smaps_rollup") as f:
             for line in f:
@@ -45,6 +46,23 @@ def process_memory_mb() -> dict:
     except OSError:
         import resource
         return {"host_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _trim_heap() -> None:
+    """Give the C heap's free pages back to the system first (glibc's `malloc_trim`): memory an
+    earlier run freed would otherwise still count, and a later run reuse it without counting."""
+    global _libc
+    if _libc is None:
+        try:
+            import ctypes
+            _libc = ctypes.CDLL("libc.so.6")
+        except OSError:
+            _libc = False
+    if _libc:
+        _libc.malloc_trim(0)
+
+
+_libc = None
 
 
 def check_host_fits(needed: int, what: str, fix: Union[str, Callable[[int], str]]) -> None:

@@ -14,8 +14,9 @@ a host hold one:
 - on a CUDA run each rank page-locks the mapping for its own GPU (`cudaHostRegister`): the
   physical pages are the same, pinned once, addressable by every GPU.
 
-The memory goes back to the system when the last rank that maps it unmaps it or exits, however it
-exits (a killed launch included): the kernel counts the mappings, and no file names it.
+The memory goes back to the system when the last rank that maps it lets it go or exits, however it
+exits (a killed launch included): the kernel counts the mappings, and no file names it. Each rank
+unlocks its registration when the loader closes, or when a loader that failed to build is dropped.
 
 In a world of one, across hosts, or with `loader.shared_host_copy=false`, each rank makes its own
 copy, as a single process does (page-locked by PyTorch's host allocator).
@@ -25,11 +26,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import uuid
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Optional, Tuple
 
 import torch
@@ -57,6 +58,20 @@ class HostPeers:
     def alone(self) -> bool:
         return self.local_size <= 1 or self.store is None
 
+    def next_key(self) -> str:
+        """The store key of the next copy this run makes (every rank makes them in the same order)."""
+        return f"{self.key}/host_copy{_made[self.key]}"
+
+    def give_up(self, why: str) -> None:
+        """The host's first rank failed before it made the copy the others may be waiting for:
+        tell them, so they stop now instead of after `timeout_s`."""
+        if self.alone or self.local_rank != 0:
+            return
+        try:
+            self.store.set(self.next_key(), f"failed|{' '.join(why.split())[:300]}")
+        except Exception:
+            pass  # the store is gone with torchrun: the others are ending too
+
 
 class HostCopy:
     """Samples `(n, *shape)` of `dtype` and their int64 labels in host memory, filled once by
@@ -69,7 +84,7 @@ class HostCopy:
     def __init__(self, n: int, shape: Tuple[int, ...], dtype: torch.dtype, fill: Callable[[torch.Tensor, torch.Tensor], None],
                  pin: bool, peers: HostPeers = HostPeers(), share: bool = True):
         self.shared = share and not peers.alone
-        self.pinned, self.filled_here, self._registered = pin, True, False
+        self.pinned, self.filled_here, self._unlock = pin, True, None
         self._closer = None  # closes the shared file's descriptor (its maker's), once
         if fill is None:  # `of`
             return
@@ -81,7 +96,7 @@ class HostCopy:
         sample_bytes = torch.empty((), dtype=dtype).element_size() * _numel(shape)
         labels_at = -(-n * sample_bytes // _ALIGN) * _ALIGN
         self.nbytes = labels_at + 8 * n
-        key = f"{peers.key}/host_copy{_made[peers.key]}"
+        key = peers.next_key()
         _made[peers.key] += 1
         if peers.local_rank == 0:
             buffer = self._make(peers, key, fill, n, shape, dtype, labels_at)
@@ -102,7 +117,11 @@ class HostCopy:
     def _make(self, peers: HostPeers, key: str, fill, n, shape, dtype, labels_at) -> mmap.mmap:
         """The host's first rank: make the shared file, fill it, and say where it is."""
         name = f"{NAME_PREFIX}-{uuid.uuid4().hex[:12]}"
+        peers.store.set(f"{key}/loading", str(os.getpid()))  # the others wait as long as this process loads
         try:
+            if not hasattr(os, "memfd_create"):
+                raise ConfigError("this system has no memfd_create, which a host copy shared by the ranks needs: "
+                                  "set loader.shared_host_copy=false")
             fd = os.memfd_create(name, os.MFD_CLOEXEC)
             self._closer = weakref.finalize(self, _close_quietly, fd)  # also if the loader fails before close()
             os.ftruncate(fd, self.nbytes)
@@ -115,12 +134,19 @@ class HostCopy:
         return buffer
 
     def _open(self, peers: HostPeers, key: str) -> mmap.mmap:
-        """Another rank of the host: wait for the first one's copy, then map the same file."""
-        try:
-            peers.store.wait([key], timedelta(seconds=peers.timeout_s))
-        except Exception as e:
-            raise RunFailed(f"rank {peers.local_rank} of this host waited {peers.timeout_s:g} s for the dataset's "
-                            f"shared host copy from its first rank: {' '.join(str(e).split())[:200]}") from e
+        """Another rank of the host: wait for the first one's copy, then map the same file. The
+        first rank has `timeout_s` to begin (or to say it failed), then as long as it lives to
+        load the dataset: a large dataset from a slow disk may take longer than any bound."""
+        loading, deadline = f"{key}/loading", time.monotonic() + peers.timeout_s
+        while not peers.store.check([key]):
+            if peers.store.check([loading]):
+                pid = int(peers.store.get(loading).decode())
+                if not _alive(pid):
+                    raise RunFailed(f"the first rank of this host (pid {pid}) ended before it shared the dataset")
+            elif time.monotonic() > deadline:
+                raise RunFailed(f"rank {peers.local_rank} of this host waited {peers.timeout_s:g} s "
+                                f"(distributed.timeout_s) for its first rank to load the dataset's shared host copy")
+            time.sleep(0.05)
         told = peers.store.get(key).decode().split("|", 3)
         if told[0] == "failed":
             raise RunFailed(f"the first rank of this host could not load the dataset's shared host copy: {told[1]}")
@@ -137,30 +163,51 @@ class HostCopy:
             if os.fstat(fd_here).st_size != int(nbytes):
                 raise ConfigError(f"the dataset's shared host copy is {os.fstat(fd_here).st_size} bytes, not {nbytes}: "
                                   f"set loader.shared_host_copy=false")
-            return mmap.mmap(fd_here, int(nbytes))
+            # Every page mapped now, not at its first read inside the timed region (a page fault each).
+            return mmap.mmap(fd_here, int(nbytes), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd_here)  # the mapping keeps the memory
 
     def _register(self) -> None:
         """Page-lock the mapping for this process's GPU: copies from it are then true DMA, and a
         kernel can read it (unified virtual addressing), as from PyTorch's own pinned memory."""
-        error = int(torch.cuda.cudart().cudaHostRegister(self.x.data_ptr(), self.nbytes, 0))
+        ptr = self.x.data_ptr()
+        error = int(torch.cuda.cudart().cudaHostRegister(ptr, self.nbytes, 0))
         if error:
             raise ConfigError(f"could not page-lock the dataset's shared host copy (cudaHostRegister: CUDA error "
                               f"{error}; a limit on locked memory, `ulimit -l`?): set loader.shared_host_copy=false")
-        self._registered = True
+        # Unlocked at close(), or when the copy is dropped without it (a loader whose build failed):
+        # still mapped then, since the copy holds its views until the finalizer has run.
+        self._unlock = weakref.finalize(self, _unregister, ptr)
 
     def close(self, after: Optional["torch.cuda.Stream"] = None) -> None:
-        """Unlock and unmap (once the work queued on `after`, which may read the copy, is done).
-        The memory itself goes when no rank maps it any more. Safe to call twice."""
-        if self._registered:
+        """Unlock (once the work queued on `after`, which may read the copy, is done) and let go:
+        this process's mapping goes with the last view of it, and the memory when no process maps
+        it any more. Safe to call twice."""
+        if self._unlock is not None and self._unlock.alive:
             if after is not None:
                 after.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(self.x.data_ptr())
-            self._registered = False
+            self._unlock()
         if self._closer is not None:
             self._closer()  # the others have mapped it (or will not: the run is over)
         self.x = self.y = None  # the mapping goes with the last view of it
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except PermissionError:
+        return True  # it exists, under another user
+    except OSError:
+        return False
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:
+        pass  # the device has failed (a sticky CUDA error the run reports): the process's end unlocks it
 
 
 def _close_quietly(fd: int) -> None:

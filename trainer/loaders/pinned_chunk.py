@@ -10,7 +10,9 @@ With several chunks, two buffers alternate: the next chunk loads in a background
 the current one is being copied.
 
 Under torchrun every rank loads every chunk and is dealt every `world_size`-th batch of the
-epoch's sequence of batches, as with every strategy (`trainer.loaders.order`). Unshuffled, each
+epoch's sequence of batches, as with every strategy (`trainer.loaders.order`). A dataset of one
+chunk is loaded once per host, into a page-locked copy the ranks of the host share
+(`trainer.loaders.host_copy`; `loader.shared_host_copy=false`: a copy per rank). Unshuffled, each
 rank gets exactly `baseline`'s batches. Shuffled, the ranks are dealt this strategy's own sequence
 (batches permuted within each chunk): the same split of a different order, so a rank's batches
 differ from `baseline`'s, and without `drop_last` the epoch's short batch may fall to any rank

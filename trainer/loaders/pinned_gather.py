@@ -1,6 +1,8 @@
 """`pinned_gather`: a fresh per-sample shuffle every epoch, fed from page-locked memory.
 
-The dataset is held once in host memory, in its storage dtype (uint8 images stay uint8). Each
+The dataset is held once in host memory, in its storage dtype (uint8 images stay uint8); under
+torchrun, once per host for all its ranks (`trainer.loaders.host_copy`; `loader.shared_host_copy=false`:
+a copy per rank). Each
 epoch visits the samples in `epoch_order`, exactly as `baseline` does, so the batches are the
 same, in the same order. `loader.threads` worker threads gather the rows of the coming batches
 straight into a ring of page-locked slots allocated once; each filled slot is copied on the

@@ -21,8 +21,9 @@ epoch: the next epoch's first batches are gathered while the last ones of this e
 
 Without Triton on a CUDA run, each batch is gathered on the host into a page-locked staging
 buffer and copied (the run is tagged degraded); on the CPU the batches are `x[idx]`, as
-`gpu_resident` yields there. Under torchrun every rank pins the whole dataset and gathers its
-own `Shard` of every epoch.
+`gpu_resident` yields there. Under torchrun every rank gathers its own `Shard` of every epoch
+from one page-locked copy of the dataset that the ranks of its host share
+(`trainer.loaders.host_copy`; `loader.shared_host_copy=false`: a copy per rank).
 """
 
 from __future__ import annotations

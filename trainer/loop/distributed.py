@@ -105,7 +105,7 @@ def launch() -> None:
     os.environ[LAUNCH_TIME_ENV] = store.get("feedbench/launch_time").decode()  # waits for rank 0
 
 
-def finish() -> None:
+def finish(failed: bool = False) -> None:
     """At the end of the process (the entry point's last step). After a failure or interrupt
     anywhere (recorded in the store), leave at once. Otherwise every rank waits here for all the
     others, then each leaves the process group, all at once: NCCL's shutdown may wait for its
@@ -113,12 +113,16 @@ def finish() -> None:
     while another was still busy would wait for that one forever. Then the other ranks wait for
     rank 0 to be done, to its very exit (it may still close a sweep's parent run then): a rank
     that exits first, even with an error every rank shares, makes torchrun stop rank 0 half-way.
-    The store, hosted by torchrun's agent, outlives the process group."""
+    The store, hosted by torchrun's agent, outlives the process group. `failed`: this process ends
+    with an error the others may not share: it says so in the store and leaves at once (torchrun
+    stops the others), instead of waiting for ranks that may be waiting for it."""
     store = _launched_store
     if store is None or not dist.is_initialized():
         return
     size = world()[1]
     try:
+        if failed:
+            store.set(STOPPED_KEY, "1")
         store.add(ARRIVED_KEY, 1)
         while store.add(ARRIVED_KEY, 0) < size and not store.check([STOPPED_KEY]):
             time.sleep(0.05)
@@ -129,7 +133,10 @@ def finish() -> None:
             return
     except Exception:  # the store went with torchrun's agent: nothing left to wait for
         return
-    dist.destroy_process_group()
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # the others go on waiting for rank 0 to be done, not for this
+        print(f"warning: leaving the process group failed: {' '.join(str(e).split())[:200]}", file=sys.stderr)
     try:
         while not is_main_process() and not store.check([DONE_KEY]) and not store.check([STOPPED_KEY]):
             time.sleep(0.1)
@@ -235,7 +242,7 @@ class Ranks:
         self.key = f"feedbench/run{_runs}/stop"
         self.store = _store()
         peers = HostPeers(self.local_rank, self.local_world_size, self.store,
-                          f"feedbench/run{_runs}/{socket.gethostname()}", cfg.timeout_s)
+                          f"feedbench/run{_runs}/{os.environ.get('GROUP_RANK', '0')}-{socket.gethostname()}", cfg.timeout_s)
         self.shard = Shard(self.rank, self.world_size, peers)
         if cfg.timeout_s not in _groups:  # created by every rank alike, once per timeout
             _groups[cfg.timeout_s] = dist.new_group(backend="gloo", timeout=timedelta(seconds=cfg.timeout_s))
@@ -288,6 +295,7 @@ class Ranks:
             yield
         except Exception as e:  # a KeyboardInterrupt is not exchanged: it ends the process
             error = e
+            self.shard.peers.give_up(_describe(e))  # ranks of this host waiting for its copy of the dataset
         verdict = None if error is None else (_describe(error), isinstance(error, ConfigError))
         failed = [(r, v) for r, v in enumerate(self._all_gather(verdict)) if v is not None]
         if not failed:

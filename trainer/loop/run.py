@@ -186,34 +186,38 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         check_against_dataset(job, dataset)
         check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
         loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
-    graphed = cfg.engine.cuda_graph and device.type == "cuda"
-    degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
-    if cfg.engine.compile == "reduce-overhead" and device.type != "cuda":  # its CUDA graphs are its whole point
-        degraded.append("engine.compile=reduce-overhead")
-    tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower(),
-                      "compile": cfg.engine.compile})
-    if degraded:
-        print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
-    with ranks.agree():
-        model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
-        model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
-    model = ranks.wrap(model)  # DDP
-    optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
-    planned = planned_steps(cfg.engine, loader)
-    warn_untimed(planned, cfg.engine.warmup_steps)
-    warn_compile_timed(cfg.engine.compile, cfg.engine.warmup_steps, graphs=device.type == "cuda")
-    loop = loop_named(cfg.engine.loop)()
-    meter = loop.Meter(device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every,
-                       # copies run `loader.depth` batches ahead, and one more under Lightning (its fetcher draws one ahead)
-                       seed=cfg.engine.seed, copies_ahead=cfg.loader.get("depth", 0) + 1, on_timed_start=on_timed_start)
-    meter.setup_s = loader.setup_s
-    loader.copy_probe = meter
-    tracker.set_tags({"scratch": str(tmp)})  # removed at the close; a killed run's, by its recovery
-    return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
-                 graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
-                 profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
-                 mem_base=mem_base, window=KernelWindow(cfg.engine.kernel_window_steps, device, tmp,
-                                                        off_because=_no_window(cfg, ranks)))
+    try:  # from here on a failure closes the loader (its threads, its page-locked memory): no run will
+        graphed = cfg.engine.cuda_graph and device.type == "cuda"
+        degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
+        if cfg.engine.compile == "reduce-overhead" and device.type != "cuda":  # its CUDA graphs are its whole point
+            degraded.append("engine.compile=reduce-overhead")
+        tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower(),
+                          "compile": cfg.engine.compile})
+        if degraded:
+            print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
+        with ranks.agree():
+            model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
+            model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
+        model = ranks.wrap(model)  # DDP
+        optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
+        planned = planned_steps(cfg.engine, loader)
+        warn_untimed(planned, cfg.engine.warmup_steps)
+        warn_compile_timed(cfg.engine.compile, cfg.engine.warmup_steps, graphs=device.type == "cuda")
+        loop = loop_named(cfg.engine.loop)()
+        meter = loop.Meter(device, cfg.engine.warmup_steps, capacity=planned, gpu_timing_every=cfg.engine.gpu_timing_every,
+                           # copies run `loader.depth` batches ahead, and one more under Lightning (its fetcher draws one ahead)
+                           seed=cfg.engine.seed, copies_ahead=cfg.loader.get("depth", 0) + 1, on_timed_start=on_timed_start)
+        meter.setup_s = loader.setup_s
+        loader.copy_probe = meter
+        tracker.set_tags({"scratch": str(tmp)})  # removed at the close; a killed run's, by its recovery
+        return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
+                     graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
+                     profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
+                     mem_base=mem_base, window=KernelWindow(cfg.engine.kernel_window_steps, device, tmp,
+                                                            off_because=_no_window(cfg, ranks)))
+    except BaseException as e:
+        _close(loader, e)
+        raise
 
 
 def _no_window(cfg, ranks: Ranks) -> str:
