@@ -441,6 +441,11 @@ class Ranks:
         self._collective(lambda: dist.gather_object(obj, out, dst=0, group=self.group))
         return out
 
+    def line_up(self) -> None:
+        """Wait until every rank is here (a world of one: at once)."""
+        if self.enabled:
+            self._barrier()
+
     def _barrier(self) -> None:
         self._collective(lambda: dist.barrier(group=self.group))
 
@@ -494,7 +499,8 @@ def combine_summaries(summaries: List[Dict[str, float]]) -> Dict[str, float]:
       `ranks_host_pss_mb` the ranks' `host_pss_mb` added (what they hold together, a shared copy once); `total_steps`, `peak_gpu_mem_mb`, `setup_s`,
       `timed_wall_s`: the largest; the timed region: from the first start to the last end;
     - `final_loss` and the copy ceilings: rank 0's; every other figure: the mean over ranks;
-    - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, stream span, median step.
+    - `rank<r>/<figure>` for each rank: throughput, data wait, copy GB/s, stream span, median step,
+      timed wall time and host memory (`PER_RANK`).
     """
     out: Dict[str, float] = {}
     keys = [k for k in summaries[0] if all(k in s for s in summaries)]

@@ -139,6 +139,11 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, ne
                 memory = process_memory_mb()  # while the loader still holds its data
                 if "host_pss_mb" in memory and "host_pss_mb" in before:
                     memory["run_host_pss_mb"] = memory["host_pss_mb"] - before["host_pss_mb"]
+                if error is None:
+                    try:  # a copy the ranks share counts 1/N in each only while every rank maps it
+                        ranks.line_up()
+                    except BaseException as e:  # another rank failed meanwhile: its error is this run's
+                        error = e
                 _close(parts.loader, error)
             summary, error = record(parts, tracker, ranks, error, memory)
             if error is None and needs_objective:  # a study's trial: closed FAILED without its objective
