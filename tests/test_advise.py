@@ -446,7 +446,7 @@ def test_a_bad_argument_is_one_line_as_python_m_trainer_says_it(tmp_path, tracki
     assert proc.stdout == ""
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)])  # (SIGTERM: `-m slow`)
 def test_a_signal_during_the_advice_is_one_line_and_closes_its_runs_killed(tmp_path, tracking_uri, sig):
     proc = subprocess.Popen([sys.executable, "-m", "trainer.advise", "--steps", "100000", *TINY_NOOP, "model.busy_ms=20",
                              "dataset.num_samples=100000", "dataset.shape=[4,4]", f"tracking.uri={tracking_uri}"],

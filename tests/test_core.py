@@ -530,6 +530,7 @@ def test_overhead_tool_compares_the_cli_with_a_plain_loop(tmp_path, capsys):
     assert float(cells[4]) == pytest.approx(engine, abs=1e-3) and float(cells[5]) == pytest.approx(plain, abs=1e-3)
 
 
+@pytest.mark.slow  # turn-taking runs by default in test_turns.py; the overhead tool in turns with `-m slow`
 def test_overhead_tool_in_turns_counts_each_side_inside_its_own_turns(tmp_path, capsys):
     """`--method turns` (the default for an eager step): the CLI and the plain loop at once,
     taking turns from where their timed regions begin; each side timed over its own turns."""

@@ -486,13 +486,13 @@ HOLDING = ["pinned_chunk", "pinned_uva", "pinned_gather"]  # the strategies that
 
 
 def test_the_ranks_of_a_host_hold_one_copy_of_the_dataset(tmp_path, tracking_uri):
-    """gloo, 2 ranks, a 256 MiB dataset, each strategy that holds it whole, with one shared host copy
+    """gloo, 2 ranks, a 128 MiB dataset, each strategy that holds it whole, with one shared host copy
     and with a copy per rank: the ranks train on the same batches either way (equal checksums),
     and the host memory their runs took (`run_host_pss_mb`, proportional shares, added over the
     ranks) is one dataset less with the shared copy, which the rank that made it reports once
     (`shared_host_mb`)."""
-    mib = 256
-    size = ["dataset.num_samples=1024", "dataset.shape=[256,256]", "loader.batch_size=128", "engine.max_steps=6",
+    mib = 128
+    size = ["dataset.num_samples=512", "dataset.shape=[256,256]", "loader.batch_size=64", "engine.max_steps=6",
             "engine.verify=true", "engine.warmup_steps=1", "engine.progress=false", "engine.device=cpu", "model=noop"]
     # The first strategy twice: a process's first runs take memory once (imports, caches) that
     # would count as theirs; the later run of each pair stands.

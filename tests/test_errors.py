@@ -516,6 +516,7 @@ def test_full_trace_on_request(tmp_path, tracking_uri):
     assert "Traceback" in proc.stderr and "ConfigError: loader.batch_size must be >= 1" in proc.stderr
 
 
+@pytest.mark.slow  # test_sweep.py lists a sweep's failed jobs by default
 def test_a_bad_job_in_a_sweep_fails_alone(tmp_path, tracking_uri):
     tiny = [o for o in TINY if not o.startswith("loader.batch_size=")]
     proc = run_cli(tmp_path, tracking_uri, "-m", "loader.batch_size=0,16", *tiny)

@@ -48,6 +48,7 @@ def test_a_bad_override_is_one_line_naming_the_key_and_the_fix(tmp_path, trackin
     assert all_runs(tracking_uri) == []
 
 
+@pytest.mark.slow  # a long case: its one-line error siblings run by default
 def test_a_non_ascii_value_says_how_to_quote_it_and_quoted_it_runs(tmp_path, tracking_uri):
     proc = run_cli(tmp_path, tracking_uri, *TINY, "engine.max_steps=2", "tracking.experiment=mesure-é")
     assert only_line(proc) == ("error: tracking.experiment=mesure-é: Hydra reads characters outside ASCII only inside "
@@ -118,6 +119,7 @@ def test_quiet_and_overrides_go_anywhere_beside_hydras_options(tmp_path, args):
     assert list(tmp_path.iterdir()) == []  # --cfg runs nothing
 
 
+@pytest.mark.slow  # test_results.py runs a quiet run by default
 def test_quiet_among_overrides_runs_without_the_summary(tmp_path, tracking_uri):
     proc = run_cli(tmp_path, tracking_uri, "engine.max_steps=2", "--quiet", *TINY)
     assert proc.returncode == 0, proc.stderr
@@ -173,6 +175,7 @@ def test_help_into_a_closed_pipe_ends_quietly(tmp_path):
 
 
 # -- the run's folder --------------------------------------------------------------------------------
+@pytest.mark.slow  # a long case: its one-line error siblings run by default
 def test_a_file_where_the_run_folder_goes_is_one_line(tmp_path, tracking_uri):
     in_the_way = tmp_path / "taken"
     in_the_way.write_text("not a folder\n")

@@ -178,7 +178,7 @@ def test_a_run_uses_the_loop_chosen_by_the_config(monkeypatch, tiny_cfg):
 
 
 # -- a run killed outright ----------------------------------------------------------------------
-@pytest.mark.parametrize("next_command", ["report", "run"])
+@pytest.mark.parametrize("next_command", [pytest.param("report", marks=pytest.mark.slow), "run"])  # (report: `-m slow`)
 def test_a_sigkilled_run_is_recovered_from_its_journal_by_the_next_report_or_run(tmp_path, tracking_uri, next_command):
     """SIGKILL runs no `finally`: the next report or run on the store closes the dead one as KILLED
     with the steps its journal had on disk, within `engine.journal_s` of the kill."""

@@ -560,6 +560,7 @@ def test_gpu_out_of_memory_in_a_lightning_step_is_one_line(tiny_cfg, runs):
     assert r.info.status == "FAILED" and "out of GPU memory" in r.data.tags["error"]
 
 
+@pytest.mark.slow  # a long case: runs in turns of both loops; with `-m slow`
 def test_versus_times_lightnings_loop_against_ours_in_turns(tmp_path, capsys):
     """docs/lightning.md's `trainer.versus --a engine.loop=lightning --b engine.loop=feedbench`: Lightning's
     run records the per-step host clock that turn-taking needs, so each loop's ms/step counts only

@@ -191,8 +191,11 @@ def preset_sweeps(request, tmp_path_factory, data_root, empty_store):
             future.cancel()  # those a failed test left unstarted
 
 
-# copy_4gb's eleven rows take more than a minute on two cores: run with `-m slow`.
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p == "copy_4gb" else p
+# The longest sweeps on two cores (copy_4gb's eleven rows take more than a minute): run with `-m slow`.
+LONG_PRESETS = ("copy_4gb", "iterable_chunk_loaders", "pin_memory_cifar")
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p in LONG_PRESETS else p
                                     for p in RESULTS_PRESETS])
 def test_results_preset_runs_every_combination_on_cpu(preset, data_root, preset_sweeps):
     jobs, tiny = RESULTS_PRESETS[preset]

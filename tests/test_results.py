@@ -347,6 +347,7 @@ def test_a_missing_dataset_fails_the_sweep_once_before_any_run(tmp_path, trackin
     assert not (tmp_path / "multirun").exists()  # no job was launched
 
 
+@pytest.mark.slow  # test_sweep.py prints a sweep's table by default
 def test_a_sweep_prints_its_table_once_and_no_summary_per_job(tmp_path, tracking_uri):
     proc = run_cli(tmp_path, tracking_uri, "-m", *TINY, "loader=baseline,pinned")
     assert proc.returncode == 0, proc.stderr

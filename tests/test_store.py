@@ -259,6 +259,7 @@ def test_a_store_whose_disk_fills_mid_run_fails_the_run_and_says_where_its_figur
             assert report_.stdout.startswith(f"run {run.info.run_id} (RUNNING)")
 
 
+@pytest.mark.slow  # a long case: the store's other faults mid-run run by default
 def test_an_artifact_disk_that_fills_mid_run_keeps_the_steps_in_the_run_folder(tmp_path, tracking_uri):
     with small_tmpfs(tmp_path / "mlartifacts", "1m") as disk:  # where the store puts artifacts (beside the DB)
         proc = start(tmp_path, tracking_uri, *LONG)

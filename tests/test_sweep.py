@@ -177,6 +177,7 @@ def test_submitit_local_jobs_run_in_their_own_processes_nested_under_the_parent(
     assert len(list((tmp_path / "multirun" / ".submitit").iterdir())) >= 2  # submitit's own job folders
 
 
+@pytest.mark.slow  # the overlap marking runs by default in test_distributed.py
 def test_a_job_timed_beside_another_run_of_the_store_is_marked(tmp_path, tiny_cfg, tracking_uri):
     """Two sweeps (or a sweep and a run) into one store at once, on one device: both finish, and
     the sweep's table marks its job timed while the other run was being timed, naming that run."""
@@ -222,6 +223,7 @@ def test_speedup_pairs_jobs_with_the_same_other_settings(tiny_cfg, tracking_uri)
     assert names == {f"loader={s} loader.batch_size={b}" for s in ("baseline", "prefetch") for b in (16, 32)}
 
 
+@pytest.mark.slow  # the report of a sweep runs by default
 def test_report_finds_the_sweep_from_a_child_id_and_prints_the_table(tiny_cfg, tracking_uri, capsys, tmp_path):
     cfg = tiny_cfg()
     parent_id = sweep.start_parent(cfg.tracking, "small", ["loader"], {})
@@ -356,6 +358,7 @@ def test_system_metrics_are_sampled_at_the_configured_interval(tiny_cfg, trackin
     assert "system/system_memory_usage_megabytes" in r.data.metrics
 
 
+@pytest.mark.slow  # test_interrupts.py stops a sweep by default
 def test_interrupted_sweep_closes_its_parent_as_killed_with_the_comparison(tmp_path, tracking_uri):
     # The first job would train for hours (5 ms a step); it is interrupted as soon as it trains.
     proc = start(tmp_path, tracking_uri, "-m", "loader=baseline,pinned", "engine.device=cpu", "engine.epochs=100000",
