@@ -555,6 +555,7 @@ def test_a_killed_launch_leaves_no_shared_copy_behind(tmp_path, tracking_uri):
     assert MlflowClient(tracking_uri).get_run(r.info.run_id).info.status == "KILLED"  # torchrun stopped rank 0
 
 
+@pytest.mark.slow  # a long case: a failing and a killed rank under torchrun run by default
 def test_ctrl_c_under_torchrun_marks_the_run_killed(tmp_path, tracking_uri):
     """torchrun forwards SIGINT to every rank: the run is KILLED with its steps, all ranks exit."""
     proc = torchrun(tmp_path, tracking_uri, *LONG, f"hydra.run.dir={tmp_path}/run", start_new_session=True)

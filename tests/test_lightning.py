@@ -244,6 +244,7 @@ def test_a_failing_step_fails_the_run_with_its_steps(tiny_cfg, runs, monkeypatch
 
 
 # ----------------------------------------------------------------------------- interrupts
+@pytest.mark.slow  # a long case: Ctrl-C in feedbench's loop runs by default (test_interrupts.py)
 def test_ctrl_c_leaves_a_killed_run_with_its_steps(tmp_path, tracking_uri):
     proc = subprocess.Popen(command(tmp_path, tracking_uri, *LONG, "engine.loop=lightning"), cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -192,7 +192,7 @@ def preset_sweeps(request, tmp_path_factory, data_root, empty_store):
 
 
 # The longest sweeps on two cores (copy_4gb's eleven rows take more than a minute): run with `-m slow`.
-LONG_PRESETS = ("copy_4gb", "iterable_chunk_loaders", "pin_memory_cifar")
+LONG_PRESETS = ("copy_4gb", "iterable_chunk_loaders", "pin_memory_cifar", "dataloader_grid")
 
 
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p in LONG_PRESETS else p

@@ -50,7 +50,9 @@ def process_memory_mb() -> dict:
 
 def _trim_heap() -> None:
     """Give the C heap's free pages back to the system first (glibc's `malloc_trim`): memory an
-    earlier run freed would otherwise still count, and a later run reuse it without counting."""
+    earlier run freed would otherwise still count, and a later run reuse it without counting
+    (`engine.steady_heap` keeps freed pages on purpose, for the steps). Called before a run is
+    built and after its loop, never inside the timed region."""
     global _libc
     if _libc is None:
         try:
