@@ -24,6 +24,7 @@ copy, as a single process does (page-locked by PyTorch's host allocator).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import time
@@ -84,7 +85,7 @@ class HostCopy:
     def __init__(self, n: int, shape: Tuple[int, ...], dtype: torch.dtype, fill: Callable[[torch.Tensor, torch.Tensor], None],
                  pin: bool, peers: HostPeers = HostPeers(), share: bool = True):
         self.shared = share and not peers.alone
-        self.pinned, self.filled_here, self._unlock = pin, True, None
+        self.filled_here, self._unlock = True, None
         self._closer = None  # closes the shared file's descriptor (its maker's), once
         if fill is None:  # `of`
             return
@@ -93,7 +94,7 @@ class HostCopy:
             self.y = torch.empty((n,), dtype=torch.int64)
             fill(self.x, self.y)
             return
-        sample_bytes = torch.empty((), dtype=dtype).element_size() * _numel(shape)
+        sample_bytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
         labels_at = -(-n * sample_bytes // _ALIGN) * _ALIGN
         self.nbytes = labels_at + 8 * n
         key = peers.next_key()
@@ -217,16 +218,9 @@ def _close_quietly(fd: int) -> None:
         pass  # closed already
 
 
-def _numel(shape) -> int:
-    out = 1
-    for s in shape:
-        out *= int(s)
-    return out
-
-
 def _views(buffer, n: int, shape, dtype, labels_at: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The samples and the labels, as tensors over the shared file's mapping (which they keep alive)."""
-    x = torch.frombuffer(buffer, dtype=dtype, count=n * _numel(shape)).view(n, *shape)
+    x = torch.frombuffer(buffer, dtype=dtype, count=n * math.prod(shape)).view(n, *shape)
     return x, torch.frombuffer(buffer, dtype=torch.int64, count=n, offset=labels_at)
 
 
