@@ -7,8 +7,12 @@
 #   COUNTS="1 2" bash benchmarks/multi_gpu.sh  # only these
 # Extra arguments go to every launch (e.g. engine.max_steps=100). Each launch is limited to
 # LAUNCH_S seconds (default 240): one that hangs is stopped, and the table shows what finished.
+# At each GPU count, the same step written by hand with DDP on GPU-resident data
+# (benchmarks/ddp_floor.py) is the reference for `gpu_resident`: one JSON line each in
+# outputs/multi_gpu_floor.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+mkdir -p outputs
 start=$(date +%s)
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 launch() {  # GPU count, then the arguments of one torchrun launch
@@ -22,6 +26,8 @@ for n in ${COUNTS:-1 2 4}; do
     continue
   fi
   launch "$n" experiment=multi_gpu "$@"
+  timeout -k 10 120 python -m torch.distributed.run --standalone --nproc_per_node="$n" benchmarks/ddp_floor.py \
+    | tee -a outputs/multi_gpu_floor.jsonl || echo "the hand-written DDP loop on $n GPU(s) ended with status $?" >&2
   if [ "$n" -gt 1 ]; then
     launch "$n" experiment=multi_gpu loader=pinned_chunk,pinned_uva,pinned_gather model=noop \
       'loader.shared_host_copy=choice(false)' tracking.experiment=multi_gpu_own_copies "$@"

@@ -21,16 +21,18 @@ from omegaconf import OmegaConf
 from clirun import LONG, all_runs, steps_csv, wait_for_running
 from conftest import CONF_DIR
 from datasets import build_dataset
+from models import build_model
 from trainer.loaders import LOADERS
 from trainer.loaders import build_loader
 from trainer.loaders.order import Shard
-from trainer.loop import distributed
+from trainer.loop import distributed, limits
 from trainer.loop.engine import planned_steps
 from trainer.loop.run import run
 from trainer.errors import Interrupted, RunFailed
 from trainer.launch import LAUNCH_TIME_ENV, launch_time
 from trainer.loop.verify import Checksum, combine_ranks
 from trainer.tools import scaling
+from trainer.validate import resolve
 from trainer.tracking import report, sweep
 
 STRATEGIES = list(LOADERS)
@@ -192,6 +194,17 @@ def _rank(rank: int, store: _Store) -> distributed.Ranks:
     return ranks
 
 
+def test_the_all_ranks_copy_ceiling_counts_only_the_time_all_of_them_copied():
+    """Two ranks each copying at 1 GB/s, the second starting 0.45 s later (a barrier lets ranks go
+    apart): 2 GB/s while both copy, where the span from the first start to the last end reads
+    1.6. A group of copies straddling the window's edge counts for its share inside it."""
+    first = (0.0, [0.1 * i for i in range(1, 21)], 10**8)
+    second = (0.45, [0.45 + 0.1 * i for i in range(1, 21)], 10**8)
+    assert limits.shared_rate([first, second]) == pytest.approx(2.0)
+    assert limits.shared_rate([first, (0.0, [2.0], 2 * 10**9)]) == pytest.approx(2.0)  # one group each way
+    assert limits.shared_rate([first, (5.0, [5.1], 10**8)]) == pytest.approx(21e8 / 5.1e9)  # never at once: the whole span
+
+
 def test_the_first_rank_to_stop_decides_how_every_rank_closes():
     """A rank's own failure stands (and is recorded); an error that follows another rank's failure
     or interrupt (a lost collective, torchrun's SIGTERM) becomes that rank's verdict."""
@@ -276,6 +289,7 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
         client.log_metric(r.info.run_id, "throughput_samples_per_s", 3000.0)
         client.log_metric(r.info.run_id, "aggregate_h2d_GBps", 8.0)
         client.log_metric(r.info.run_id, "aggregate_h2d_peak_pinned_GBps", 10.0)
+        client.log_metric(r.info.run_id, "grad_allreduce_ms", 0.7)
     for r in report.children(client, sweeps[1]):
         client.log_metric(r.info.run_id, "throughput_samples_per_s", 2000.0)
         client.log_metric(r.info.run_id, "h2d_GBps", 5.0)
@@ -291,6 +305,7 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
     assert (two["× 1 GPU"], two["efficiency"], two["copy × 1 GPU"], two["of ceiling"]) == (1.5, 0.75, 1.6, 0.8)
     assert (rows[2]["run MiB/rank"], rows[3]["… own copies"], two["… own copies"]) == (900.0, 1100.0, None)
     assert rows[0]["× 1 GPU"] == 1.0 and rows[0]["ceiling GB/s"] is None  # no CUDA: no ceiling measured
+    assert (two["all-reduce ms"], rows[0]["all-reduce ms"]) == (0.7, None) and rows[0]["step ms"] > 0
     assert scaling.main(["--uri", tracking_uri, "--experiment", "feedbench", "--markdown", str(Path(tracking_uri[10:]).parent / "s.md")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("feedbench: sweeps at 1, 2 GPU(s)") and out[1].split()[:4] == ["loader", "model", "gpus", "status"]
@@ -394,6 +409,13 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     added = m["rank0/h2d_GBps"] + m["rank1/h2d_GBps"]
     assert m["aggregate_h2d_GBps"] == added or math.isnan(m["aggregate_h2d_GBps"]) and math.isnan(added)  # nan on CPUs
     assert len(steps_csv(tracking_uri, done.info.run_id)) == 6
+    # DDP's exchange measured alone after the loop: every gradient, once
+    spec = tiny_cfg(*SMALL)
+    resolve(spec)
+    data = build_dataset(spec.dataset)
+    model = build_model(spec.model, data.sample_shape, data.num_classes)
+    assert m["grad_mb"] * 2**20 == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert m["grad_allreduce_ms"] > 0 and m["allreduce_bus_GBps"] > 0
     assert "steps_rank1.csv" in {a.path for a in MlflowClient(tracking_uri).list_artifacts(done.info.run_id)}
 
     single = tiny_cfg(*SMALL, "loader.batch_size=17", "engine.epochs=2", "engine.verify=true", "tracking.experiment=single")
@@ -628,3 +650,38 @@ def test_a_rank_waiting_for_the_copy_stops_when_the_first_rank_cannot_share_it(h
     expected = {"fails loading": "disk gone", "fails before": "num_samples too large", "dies": "ended before",
                 "another file": "shared_host_copy=false"}[how]
     assert expected in str(raised.value)
+
+
+DDP_BUCKETS = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from trainer.loop.distributed import DistributedModel, ddp_buckets
+
+def rank(r, path):
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=r, world_size=2)
+    torch.manual_seed(0)
+    model = DistributedModel(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)), bucket_cap_mb=0.5)
+    before = ddp_buckets(model)
+    for _ in range(3):  # the buckets are rebuilt at the second step's forward
+        model(torch.randn(4, 512)).sum().backward()
+    if r == 0:
+        print(before, ddp_buckets(model), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(rank, args=(tempfile.mktemp(),), nprocs=2)
+"""
+
+
+def test_the_exchange_is_timed_in_the_buckets_ddp_rebuilt(tmp_path):
+    """DDP all-reduces its first step in one bucket, then rebuilds them (`bucket_cap_mb`): the
+    exchange measured after the loop uses the rebuilt ones (two gloo ranks)."""
+    script = tmp_path / "buckets.py"
+    script.write_text(DDP_BUCKETS)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    before, after = (ast.literal_eval(part + "]") for part in out.stdout.strip().rstrip("]").split("] "))
+    whole = 2 * (512 * 512 + 512) * 4
+    assert before == [whole] and sum(after) == whole and len(after) > 1

@@ -376,6 +376,7 @@ def test_two_gpus_one_run_with_nccl_equal_to_one_gpu(strategy, tmp_path, tiny_cf
     if strategy != "gpu_resident":
         assert m["aggregate_h2d_GBps"] > 0 and m["aggregate_h2d_peak_pinned_GBps"] > 0
         assert m["rank1/h2d_GBps"] > 0
+    assert m["grad_mb"] > 0 and m["grad_allreduce_ms"] > 0 and m["allreduce_bus_GBps"] > 0  # DDP's exchange over NCCL
     run(tiny_cfg(*size, "tracking.experiment=single"))
     (alone,) = runs("single")
     assert r.data.tags["epoch_checksums"] == alone.data.tags["epoch_checksums"]

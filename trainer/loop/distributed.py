@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -51,7 +52,7 @@ from trainer.loaders.order import Shard
 from trainer.loop.engine import planned_steps
 from trainer.loop.environment import gpu_links, gpu_numa_node
 from trainer.loop.verify import combine_ranks
-from trainer.loop.limits import h2d_burst
+from trainer.loop.limits import allreduce_ms, h2d_burst, shared_rate
 
 GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); faults normally end it sooner
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",
@@ -218,6 +219,19 @@ class DistributedModel(DistributedDataParallel):
 
     def loss(self, x, y):
         return self(x, y)
+
+
+def ddp_buckets(model: DistributedDataParallel) -> List[int]:
+    """The bytes of each bucket DDP all-reduces a step: the buckets it rebuilt after its first
+    step in the order backward produced the gradients (`rebuilt_bucket_sizes` of its own record;
+    until then, and on a rank that never ran a forward, its first single bucket)."""
+    try:
+        info = model._get_ddp_logging_data()
+        sizes = str(info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or "")
+        buckets = [int(b) for b in sizes.replace(" ", "").split(",") if b]
+    except Exception:  # a private record: its absence costs only the split
+        buckets = []
+    return buckets or [sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)]
 
 
 class Ranks:
@@ -389,22 +403,50 @@ class Ranks:
     def ceilings(self, alone: Callable[[], dict], nbytes: int) -> dict:
         """The copy ceilings: `alone()` (rank 0 by itself while the others wait: the single-GPU
         figure), then every rank copying `nbytes` batches at once for ~4 GiB, added up over the
-        span they shared on each host: `aggregate_h2d_peak_pinned_GBps`."""
+        time all of them were copying, on each host (`shared_rate`): `aggregate_h2d_peak_pinned_GBps`."""
         if not self.enabled:
             return alone()
         out = alone() if self.is_main else {}
         self._barrier()
         if self.device_.type != "cuda" or not nbytes:
             return out
-        start, end, copied = h2d_burst(nbytes, self.device_, line_up=self._barrier)
-        spans = self._gather((socket.gethostname(), start, end, copied))
+        burst = h2d_burst(nbytes, self.device_, line_up=self._barrier)
+        bursts = self._gather((socket.gethostname(), burst))
         if self.is_main:
             hosts: Dict[str, list] = {}
-            for host, *span in spans:
-                hosts.setdefault(host, []).append(span)
-            out["aggregate_h2d_peak_pinned_GBps"] = sum(
-                sum(b for _, _, b in s) / ((max(e for _, e, _ in s) - min(a for a, _, _ in s)) * 1e9) for s in hosts.values())
+            for host, b in bursts:
+                hosts.setdefault(host, []).append(b)
+            out["aggregate_h2d_peak_pinned_GBps"] = sum(shared_rate(b) for b in hosts.values())
         return out
+
+    def exchange(self, model: nn.Module) -> dict:
+        """DDP's gradient exchange, measured alone after the loop (several ranks, a DDP model):
+        - `grad_mb`: the gradients every step all-reduces (in DDP's own buckets);
+        - `grad_allreduce_ms`: the time to all-reduce them with nothing to overlap: what a step
+          can lose to the exchange at most (DDP starts each bucket while backward still runs);
+        - `allreduce_bus_GBps`: that as bus bandwidth (bytes x 2(n-1)/n over the time, as NCCL's
+          own tests count it: comparable across GPU counts).
+        A step slower on N GPUs than on one by about `grad_allreduce_ms` is bound by the
+        exchange, not by its feed."""
+        if not self.enabled or not isinstance(model, DistributedModel):
+            return {}
+        # One list of buckets on every rank, the most split (a rank that joined with no batch
+        # never rebuilt its own): ranks all-reducing different sizes would wait for each other
+        # until the group's timeout. Likewise all measure, or none: a rank with no room left for
+        # one more bucket says so first.
+        buckets = max(self._all_gather(ddp_buckets(model)), key=len)
+        try:
+            buffer = torch.empty(max(1, max(buckets) // 4), dtype=torch.float32, device=self.device_)
+        except torch.OutOfMemoryError:
+            buffer = None
+        out = {"grad_mb": sum(buckets) / 2**20}
+        if not all(self._all_gather(buffer is not None)):
+            return out  # not measured: no room for one bucket more on some rank's device
+        timed = []
+        self._collective(lambda: timed.append(allreduce_ms(buckets, buffer.fill_(1.0))))
+        n, ms = self.world_size, timed[0]
+        return {**out, "grad_allreduce_ms": ms,
+                "allreduce_bus_GBps": sum(buckets) * 2 * (n - 1) / n / (ms * 1e6) if ms > 0 else math.nan}
 
     def combine(self, summary: dict, rows: List[dict], verified: Optional[dict], tracker) -> Tuple[dict, Optional[dict]]:
         """Every rank's summary (and checksums, and steps) to rank 0, which records the run's:

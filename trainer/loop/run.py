@@ -284,6 +284,7 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException], 
     try:
         if error is None:  # after a failure: save, don't probe, and no collective with the other ranks
             summary.update(ranks.ceilings(lambda: ceilings(meter, parts.device), meter.batch_bytes))
+            summary.update(ranks.exchange(parts.model))  # several GPUs: what DDP's all-reduce costs a step
             summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
     finally:
         if error is None:
