@@ -22,25 +22,8 @@ common=(model=torchvision model.arch=resnet18 "loader=$strategies" engine.precis
         loader.num_workers="$workers" loader.persistent_workers=true)
 
 folder=$PWD/outputs/generated-data/images-$size-$images
-if [ "$(find "$folder" -name '*.jpg' 2>/dev/null | wc -l)" -ne "$images" ]; then
-  echo "+ writing $images ${size}x$size JPEGs (10 classes) into $folder"
-  python - "$folder" "$images" "$size" <<'EOF'
-import sys
-from pathlib import Path
-
-import numpy as np
-from PIL import Image
-
-folder, count, size = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-rng = np.random.default_rng(0)
-for i in range(count):
-    # Smooth shapes and a little noise: JPEGs of about the size a photo of this many pixels has.
-    coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((size, size), Image.BICUBIC)
-    pixels = np.asarray(coarse, dtype=np.int16) + rng.integers(-12, 13, (size, size, 3))
-    (folder / f"class_{i % 10}").mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"class_{i % 10}" / f"{i:06d}.jpg", quality=90)
-EOF
-fi
+echo "+ $images ${size}x$size JPEGs (10 classes) in $folder"
+python -m trainer.fake_data --images "$images" --size "$size" --root outputs/generated-data >/dev/null
 
 start=$SECONDS
 echo "+ cifar: resnet18 on $samples CIFAR-shaped uint8 samples, batches of $batch"

@@ -6,7 +6,11 @@ Where the decoding happens is what this dataset measures:
   (`loader.num_workers`), and hand the model float images in [0, 1];
 - the strategies that hold the data in one block decode every image once, at setup (in
   `dataset.read_workers` processes), keep it as 3 x size x size uint8, copy it as uint8 and make it
-  the same float image on the device (`on_device`): 4x fewer bytes over PCIe.
+  the same float image on the device (`on_device`): 4x fewer bytes over PCIe. Only while the
+  decoded images fit `dataset.max_host_mb` (when set): past it they refuse in one line;
+- `loader=gpu_decode` sends each batch's files, still compressed, and decodes them on the GPU
+  (`files`, `labels`): it holds the files' bytes in host memory when they fit `dataset.max_host_mb`,
+  and otherwise reads them from disk batch after batch, so a folder of any size trains.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ class ImageFolderDataset(SampleDataset):
         size: int = 224  # every image is resized to size x size pixels
         num_samples: int = 0  # use only the first N images, in ImageFolder's order (0: all)
         read_workers: int = 0  # processes decoding the images into a one-block strategy's block (0: this one)
+        max_host_mb: float = 0.0  # host memory the images may take (decoded, or as files for gpu_decode); 0: no limit
 
         def __post_init__(self):
             at_least("dataset.size", self.size, 1, 224)
             at_least("dataset.num_samples", self.num_samples, 0, "0 (all the images)")
             at_least("dataset.read_workers", self.read_workers, 0, 0)
+            at_least("dataset.max_host_mb", self.max_host_mb, 0, "0 (no limit)")
 
     def __init__(self, cfg: Config):
         from torchvision import datasets, transforms  # a second of imports: only when this dataset is used
@@ -52,6 +58,21 @@ class ImageFolderDataset(SampleDataset):
         stored = torch.utils.data.Subset(folder, range(cfg.num_samples)) if cfg.num_samples else folder
         super().__init__(stored, f"dataset=image_folder (dataset.root={root})", len(folder.classes), cfg.read_workers)
         self.images = _UnitFloat(self.samples)  # guarded: a file that fails to decode is named
+        self.size = cfg.size
+        self.max_host_mb, self.max_host_bytes = cfg.max_host_mb, int(cfg.max_host_mb * 2**20)  # 0: no limit
+        kept = folder.samples[:len(stored)]  # (path, class) in ImageFolder's order: sample i is file i
+        self.files = [path for path, _ in kept]
+        self.labels = torch.tensor([label for _, label in kept], dtype=torch.int64)
+
+    def load_chunk(self, i: int, out=None):
+        """The decoded images in one block, for the one-block strategies: refused in one line
+        when they would take more than `dataset.max_host_mb`."""
+        if self.max_host_bytes and self.nbytes > self.max_host_bytes:
+            raise ConfigError(f"dataset=image_folder decoded is {self.nbytes / 2**20:.1f} MiB ({len(self)} images of "
+                              f"3x{self.size}x{self.size} uint8), over dataset.max_host_mb={self.max_host_mb:g}: "
+                              f"use loader=gpu_decode (it decodes each batch from the files, streamed from disk when "
+                              f"they do not fit either) or a DataLoader strategy (loader=baseline, pinned or prefetch)")
+        return super().load_chunk(i, out)
 
     def per_sample(self) -> torch.utils.data.Dataset:
         return self.images

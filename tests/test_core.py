@@ -19,7 +19,7 @@ from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf
 
 from trainer.config import PROJECT_ROOT
-from trainer.loaders import LOADERS
+from trainer.loaders import for_any_dataset
 from trainer.loop.run import run
 from trainer.tracking.runs import PER_STEP_METRICS
 
@@ -47,7 +47,7 @@ def test_schema_rejects_typos_and_types(override):
         compose_config(override)
 
 
-@pytest.mark.parametrize("strategy", list(LOADERS))
+@pytest.mark.parametrize("strategy", for_any_dataset())
 def test_each_loader_runs_on_cpu_and_records_the_contract(strategy, tiny_cfg, runs):
     summary = run(tiny_cfg(f"loader={strategy}"))
     assert summary["throughput_samples_per_s"] > 0
@@ -402,7 +402,7 @@ def test_overhead_script_in_processes_covers_every_strategy_eager_and_graphed(tm
         graph = args[args.index("--graph") + 1]
         for loader in args[args.index("--loaders") + 1].split(","):
             covered |= {(loader, g) for g in (("eager", "graphed") if graph == "both" else (graph,))}
-    assert covered == {(name, g) for name in LOADERS for g in ("eager", "graphed")}
+    assert covered == {(name, g) for name in for_any_dataset() for g in ("eager", "graphed")}
     table = (tmp_path / "outputs" / "overhead_quick.md").read_text().splitlines()
     assert table[:2] == ["| loader | graph |", "|---|---|"] and len(table) == 2 + len(calls)
 
@@ -473,7 +473,7 @@ def test_overhead_loaders_all_is_every_registered_strategy(monkeypatch, capsys):
     asked = []
     monkeypatch.setattr(overhead, "_main_rounds", lambda args, base, loaders, warmup, rows: asked.append(loaders))
     overhead.main(["--method", "rounds", "--loaders", "all", "engine.device=cpu"])
-    assert asked == [list(LOADERS)]
+    assert asked == [for_any_dataset()]
     assert capsys.readouterr().out.splitlines()[-1].startswith("total: ")
 
 

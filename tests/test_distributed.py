@@ -22,8 +22,7 @@ from clirun import LONG, all_runs, steps_csv, wait_for_running
 from conftest import CONF_DIR
 from datasets import build_dataset
 from models import build_model
-from trainer.loaders import LOADERS
-from trainer.loaders import build_loader
+from trainer.loaders import build_loader, for_any_dataset
 from trainer.loaders.order import Shard
 from trainer.loop import distributed, limits
 from trainer.loop.engine import planned_steps
@@ -35,7 +34,7 @@ from trainer.tools import scaling
 from trainer.validate import resolve
 from trainer.tracking import report, sweep
 
-STRATEGIES = list(LOADERS)
+STRATEGIES = for_any_dataset()
 SAME_SAMPLES = [s for s in STRATEGIES if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 # 101 samples over 2 ranks: in batches of 17, 6 batches, 3 each (51 and 50 samples); in batches of
 # 25, 5 batches: 3 and 2.

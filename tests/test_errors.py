@@ -26,7 +26,7 @@ from clirun import TINY, all_runs, error_line, run_cli, steps_csv
 from conftest import batch_that_runs_out_of_gpu_memory
 from trainer.errors import ConfigError
 from trainer.fake_data import write_mnist
-from trainer.loaders import LOADERS
+from trainer.loaders import for_any_dataset
 from trainer.loop.run import run
 
 
@@ -130,7 +130,7 @@ def test_synthetic_labels_larger_than_host_memory_fail_before_allocating(tmp_pat
     assert "dataset.num_samples=100000000000" in failed_run(tracking_uri).data.tags["error"]
 
 
-@pytest.mark.parametrize("strategy", list(LOADERS))
+@pytest.mark.parametrize("strategy", for_any_dataset())
 def test_synthetic_labels_are_checked_with_every_strategy(tiny_cfg, runs, strategy):
     with pytest.raises(ConfigError, match=LABELS):
         run(tiny_cfg(f"loader={strategy}", HUGE, "dataset.chunk_samples=1000"))

@@ -19,13 +19,13 @@ from mlflow.tracking import MlflowClient
 
 from conftest import TINY
 from datasets import build_dataset
-from trainer.loaders import LOADERS, build_loader
+from trainer.loaders import build_loader, for_any_dataset
 from trainer.loaders.pinned_gather import THREAD_PREFIX
 from trainer.loop.run import run
 from trainer.loop.verify import Checksum
 
 pytestmark = pytest.mark.gpu
-STRATEGIES = list(LOADERS)
+STRATEGIES = for_any_dataset()
 COPYING = [s for s in STRATEGIES if s != "gpu_resident"]
 SAME_SAMPLES = [s for s in STRATEGIES if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 
@@ -444,3 +444,33 @@ def test_a_shared_host_copy_is_page_locked_for_copies_and_the_gather_kernel():
     x = copy.x
     copy.close()
     assert not x.is_pinned()
+
+
+# -- an image folder decoded on the GPU ---------------------------------------------------------
+def test_gpu_decode_decodes_jpegs_with_nvjpeg_in_baselines_order(tmp_path, runs, tracking_uri):
+    """JPEGs and PNGs of several sizes, some grey-scale: gpu_decode yields baseline's labels in
+    baseline's order, its JPEGs decoded by nvJPEG (the PNGs on the host), its pixels near PIL's
+    (nvJPEG's IDCT rounds apart from libjpeg-turbo's); a generated folder of JPEGs is all decoded
+    on the GPU, and trains."""
+    from test_gpu_decode import job, passes, write_mixed
+    from trainer.fake_data import write_image_folder
+
+    write_mixed(tmp_path / "mixed")
+    folder = ["engine.device=cuda", "dataset=image_folder", f"dataset.root={tmp_path / 'mixed'}", "dataset.size=16",
+              "loader.batch_size=16"]
+    base, _ = passes(job(*folder, "loader=baseline"), device="cuda")
+    mine, figures = passes(job(*folder, "loader=gpu_decode"), device="cuda")
+    assert [y.tolist() for _, y in mine] == [y.tolist() for _, y in base]
+    levels = (torch.cat([x for x, _ in mine]) - torch.cat([x for x, _ in base])).abs().cpu() * 255
+    print(f"gpu_decode against PIL: at most {levels.max():.0f} levels of 255, {levels.mean():.3f} on average, "
+          f"{(levels > 0.5).float().mean():.1%} of the values apart")
+    assert levels.max() <= 32 and levels.mean() < 2.0
+    assert figures["gpu_decoded_fraction"] == 0.5 and figures["decode_ms_per_batch"] > 0
+    jpegs = write_image_folder(tmp_path, 256, size=64)
+    summary = run(job("engine.device=cuda", "dataset=image_folder", f"dataset.root={jpegs}", "dataset.size=64",
+                      "loader=gpu_decode", "loader.batch_size=32", "engine.max_steps=16", "engine.warmup_steps=4",
+                      f"tracking.uri={tracking_uri}"))
+    (r,) = runs()
+    assert r.info.status == "FINISHED" and r.data.tags["degraded"] == "false"
+    assert summary["gpu_decoded_fraction"] == 1.0 and summary["held_file_mb"] > 0
+    assert 0 < summary["link_bytes_per_image"] < 3 * 64 * 64  # compressed: fewer bytes than its pixels

@@ -20,7 +20,7 @@ from trainer.config import CONF_DIR, EngineConfig
 from trainer.tracking.report import find_parent
 
 
-LOADERS = "baseline, gpu_resident, iterable_chunks, pinned, pinned_chunk, pinned_gather, pinned_uva, prefetch"
+LOADERS = "baseline, gpu_decode, gpu_resident, iterable_chunks, pinned, pinned_chunk, pinned_gather, pinned_uva, prefetch"
 
 
 def only_line(proc: subprocess.CompletedProcess) -> str:
@@ -81,7 +81,7 @@ SWEEP_GRAMMAR = ("write one its basic sweeper takes (a,b,c, range(start,stop,ste
 @pytest.mark.parametrize("override,expected", ids=["numbers for a group", "a zero step", "an interval", "a bad range",
                                                    "an empty choice", "a glob matching nothing"], argvalues=[
     ("loader=range(1,3)", "error: loader=range(1,3): loader is a config group, swept by option name, and this sweep gives "
-                          f"int values: name its options, e.g. loader=baseline,gpu_resident (options: {LOADERS})"),
+                          f"int values: name its options, e.g. loader=baseline,gpu_decode (options: {LOADERS})"),
     ("engine.max_steps=range(1,3,0)", "error: engine.max_steps=range(1,3,0): Hydra cannot expand this sweep (range() arg 3 "
                                       f"must not be zero): {SWEEP_GRAMMAR}"),
     ("engine.max_steps=interval(1,3)", "error: engine.max_steps=interval(1,3): Hydra cannot expand this sweep (BasicSweeper "

@@ -25,14 +25,14 @@ from clirun import LONG, TINY, check_turns_run, command, steps_csv, wait_for_run
 from conftest import compose_config
 from test_interrupts import assert_killed_with_steps, signal_when_running
 from trainer.config import PROJECT_ROOT
-from trainer.loaders import LOADERS
+from trainer.loaders import for_any_dataset
 from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.loop.run import run
 from trainer.loop.profiling import copy_overlap
 from trainer.tracking.runs import PER_STEP_METRICS
 from trainer.validate import validate
 
-STRATEGIES = list(LOADERS)
+STRATEGIES = for_any_dataset()
 CONTRACT = ["throughput_samples_per_s", "data_wait_fraction", "compute_stream_span_fraction", "h2d_GBps", "h2d_beside_step_fraction",
             "setup_s", "peak_gpu_mem_mb", "pinned_host_mb", "total_steps", "total_samples", "timed_wall_s",
             "median_step_ms", "final_loss"]

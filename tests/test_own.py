@@ -21,7 +21,7 @@ from models import build_model
 from trainer import memory
 from trainer.config import PROJECT_ROOT
 from trainer.errors import ConfigError, RunFailed
-from trainer.loaders import LOADERS, build_loader
+from trainer.loaders import build_loader, for_any_dataset
 from trainer.loop.run import run
 from trainer.loop.steps import EagerStep, GraphedStep, make_step
 from trainer.loop.verify import Checksum
@@ -130,7 +130,7 @@ def on_pythonpath(user_folder, monkeypatch):
 
 QUICK = ["engine.device=cpu", "engine.progress=false", "engine.warmup_steps=1", "loader.batch_size=8"]
 POINTS = ["dataset=custom", f"dataset._target_={MODULE}.points"]
-STRATEGIES = [s for s in LOADERS if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
+STRATEGIES = [s for s in for_any_dataset() if s != "iterable_chunks"]  # iterable_chunks draws random rows (with replacement)
 ONE_BLOCK = ["pinned_chunk", "pinned_gather", "pinned_uva", "gpu_resident"]
 
 

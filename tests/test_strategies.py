@@ -13,7 +13,7 @@ import torch
 
 from datasets import build_dataset
 from trainer.errors import ConfigError, RunFailed
-from trainer.loaders import LOADERS, build_loader
+from trainer.loaders import build_loader, for_any_dataset
 from trainer.loaders.order import epoch_order
 from trainer.loaders.pinned_chunk import PinnedChunkLoader
 from trainer.loaders.pinned_gather import THREAD_PREFIX, PinnedGatherLoader
@@ -25,7 +25,7 @@ from conftest import TINY, compose_config
 
 # iterable_chunks draws random rows (with replacement): it reproduces a public notebook's loader rather
 # than delivering baseline's samples, and is tested with its presets (test_presets.py).
-STRATEGIES = [s for s in LOADERS if s != "iterable_chunks"]
+STRATEGIES = [s for s in for_any_dataset() if s != "iterable_chunks"]
 
 
 def checksums(tiny_cfg, strategy, *overrides):
@@ -324,7 +324,7 @@ def test_pinned_gather_rejects_no_threads_or_depth(tiny_cfg, key):
         build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
 
 
-@pytest.mark.parametrize("strategy", list(LOADERS))
+@pytest.mark.parametrize("strategy", for_any_dataset())
 def test_a_pass_left_suspended_ends_quietly_after_close(tiny_cfg, monkeypatch, strategy):
     """A pass left suspended past the strategy's close() (a traceback holding it, say) touches
     nothing close() released when it is garbage-collected: no 'Exception ignored' on stderr."""

@@ -2,6 +2,7 @@
 
     python -m trainer.fake_data                      # small files in data/random_pixels/
     python -m trainer.fake_data --full --root DIR    # the official sizes (60000 / 50000 training images)
+    python -m trainer.fake_data --images 50000 --size 224 --root DIR   # a folder of JPEGs instead
 
 The files have the real on-disk formats, so torchvision's own `datasets.MNIST` / `datasets.CIFAR10`
 read them and the per-sample path (PIL image, ToTensor, Normalize) costs what it costs on the real
@@ -14,6 +15,10 @@ them only when told to, and a later download of the real datasets is not shadowe
 - CIFAR-10: `<root>/cifar-10-batches-py/{data_batch_1..5,test_batch,batches.meta}` (pickled
   dicts: `data` is `N x 3072` uint8, the R, G and B planes of each image row by row). They are not
   the official files, so CIFAR-10 needs `dataset.verify_md5=false`.
+- an image folder (`--images N`): `<root>/images-<size>-<N>/class_<k>/<i>.jpg`, N JPEGs of
+  size x size pixels (quality 90) in 10 classes, for `dataset=image_folder`. Smooth shapes and a
+  little noise, so that each file has about the bytes a photo of that many pixels has (about 14 kB
+  at 224 px), written by one process per core.
 """
 
 from __future__ import annotations
@@ -119,14 +124,64 @@ def write_both(root: Path, full: bool = False, seed: int = 0) -> str:
     ])
 
 
+def _write_image(job: Tuple[Path, int, int, int]) -> int:
+    """One JPEG of the folder (a process of `write_image_folder`'s pool); its bytes."""
+    folder, i, size, seed = job
+    from PIL import Image
+
+    rng = np.random.default_rng((seed, i))
+    coarse = Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).resize((size, size), Image.BICUBIC)
+    pixels = np.asarray(coarse, dtype=np.int16) + rng.integers(-12, 13, (size, size, 3))
+    path = folder / f"class_{i % 10}" / f"{i:06d}.jpg"
+    part = path.with_name(path.name + ".part")  # a writer killed half-way leaves no .jpg the count would take
+    Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(part, format="JPEG", quality=90)
+    part.replace(path)
+    return path.stat().st_size
+
+
+def write_image_folder(root, count: int, size: int = 224, seed: int = 0, workers: int = 0) -> Path:
+    """`count` JPEGs of `size` x `size` in 10 class folders under `root/images-<size>-<count>`
+    (written again only when the folder does not hold exactly that many); the folder."""
+    import multiprocessing
+    import os
+
+    folder = Path(root) / f"images-{size}-{count}"
+    if sum(1 for _ in folder.glob("class_*/*.jpg")) == count:
+        return folder
+    for k in range(min(10, count)):
+        (folder / f"class_{k}").mkdir(parents=True, exist_ok=True)
+    jobs = [(folder, i, size, seed) for i in range(count)]
+    processes = workers or min(len(os.sched_getaffinity(0)), max(1, count // 64))
+    if processes <= 1:
+        for job in jobs:
+            _write_image(job)
+    else:
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            for _ in pool.imap_unordered(_write_image, jobs, chunksize=64):
+                pass
+    return folder
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.fake_data", description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"the folder to write into (default: {DEFAULT_ROOT})")
     parser.add_argument("--full", action="store_true", help="the official sizes (60000 + 10000 MNIST, 50000 + 10000 "
                                                             "CIFAR-10 images) instead of a tenth of them")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random pixels and labels")
+    parser.add_argument("--images", type=int, default=0, metavar="N",
+                        help="write an image folder of N JPEGs (dataset=image_folder) instead of MNIST and CIFAR-10")
+    parser.add_argument("--size", type=int, default=224, help="with --images: width and height in pixels (default 224)")
     args = parser.parse_args(argv)
+    if args.images < 0 or args.size < 1:
+        print(f"error: --images must be >= 0 and --size >= 1 (got {args.images}, {args.size}): use --images 1000 --size 224",
+              file=sys.stderr)
+        return 2
     try:
+        if args.images:
+            folder = write_image_folder(args.root, args.images, args.size, args.seed)
+            print(f"wrote {args.images} JPEGs of {args.size}x{args.size} (random shapes, 10 classes) in {folder}; use them with:\n"
+                  f"  python -m trainer dataset=image_folder dataset.root={folder} dataset.size={args.size} model=torchvision")
+            return 0
         print(write_both(args.root, args.full, args.seed))
     except OSError as e:
         print(f"error: {e}", file=sys.stderr)

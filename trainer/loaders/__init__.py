@@ -23,3 +23,9 @@ def build_loader(cfg, dataset, device: torch.device, seed: int = 0, shard: Shard
     """Build the strategy `cfg` names (its typed Config, or its section of a composed config);
     under torchrun, over this rank's `shard` of every epoch."""
     return LOADERS.build(cfg, dataset, device, seed, shard)
+
+
+def for_any_dataset() -> list:
+    """The strategies that feed every dataset: all but those that decode an image folder's files
+    themselves (`gpu_decode`)."""
+    return [name for name, cls in LOADERS.items() if not cls.reads_files]

@@ -415,9 +415,9 @@ def main(argv=None) -> None:
     base = QUICK + args.overrides
     cfg = compose_config(base)  # fail here, once, on a bad override
     loaders = [s for s in args.loaders.split(",") if s] or [cfg.loader.name]
-    if args.loaders == "all":
-        from trainer.components import REGISTRIES
-        loaders = list(REGISTRIES["loader"])
+    if args.loaders == "all":  # every strategy that feeds the workload's dataset (an image folder's: gpu_decode too)
+        from trainer.loaders import LOADERS, for_any_dataset
+        loaders = list(LOADERS) if cfg.dataset.name == "image_folder" else for_any_dataset()
     t0, rows = time.perf_counter(), []
     try:
         if args.method == "rounds":

@@ -45,7 +45,10 @@ PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
 PEAK = "h2d_peak_pinned_GBps"
-FORMATS = {"throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
+# Shown only when some job has them: image folders decoded on the GPU (`loader=gpu_decode`).
+IMAGES = ("decode_ms_per_batch", "link_bytes_per_image", "gpu_decoded_fraction")
+FORMATS = {"decode_ms_per_batch": "{:.2f}", "link_bytes_per_image": "{:.0f}", "gpu_decoded_fraction": "{:.2f}",
+           "throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
            "ms_per_step_ci95": "±{:.3f}",
            "compute_stream_span_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
            "host_page_faults_per_step": "{:.0f}", "host_cpu_ms_per_step": "{:.2f}",
@@ -164,7 +167,7 @@ def comparison_rows(parent: Run, runs: Sequence[Run],
         row["status"] = shown_status(r)
         row["degraded"] = "yes" if tags.get("degraded") == "true" else ""
         row["device"], row["model"] = tags.get("device", ""), r.data.params.get("model.name", tags.get("model", ""))
-        for m in METRICS + PLAIN + (PEAK,):
+        for m in METRICS + PLAIN + (PEAK,) + IMAGES:
             row[m] = None if m in GPU_ONLY and row["device"] == "cpu" else r.data.metrics.get(m)
         row["ms_per_step_ci95"] = half_width(r.data.metrics)
         row["overlap"] = ",".join(overlaps.get(r.info.run_id, []))
@@ -256,7 +259,8 @@ def metric_columns(rows: Sequence[dict]) -> List[str]:
     def present(m: str) -> bool:
         return any(row.get(m) is not None for row in rows)
     at = METRICS.index("h2d_GBps") + 1
-    return [*METRICS[:at], *([PEAK] if present(PEAK) else []), *METRICS[at:], *filter(present, PLAIN)]
+    return [*METRICS[:at], *([PEAK] if present(PEAK) else []), *METRICS[at:], *filter(present, PLAIN),
+            *filter(present, IMAGES)]
 
 
 def header(keys: Sequence[str], rows: Sequence[dict]) -> List[str]:
