@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Image folders at the GPU's pace: a torchvision resnet18 (untrained) fed generated 224x224 JPEGs by
 #   gpu_decode     the files' bytes sent compressed, decoded by nvJPEG, resized and made float on the GPU;
-#   prefetch       DataLoader workers decoding with PIL at every epoch (8 and 16 workers), pinned, copied ahead;
+#   prefetch       DataLoader workers decoding with PIL at every epoch (8 and 16 workers), pinned, copied ahead,
+#                  as float32 or as uint8 made float on the GPU (dataset.batch_dtype);
 #   gpu_resident   every image decoded once at setup and held on the GPU: the model's own ceiling;
 # in fp32 and bf16, on a folder of IMAGES files held in memory; then gpu_decode and prefetch (16 workers)
 # on a folder of BIG files streamed from disk (dataset.max_host_mb below the files' size).
@@ -42,7 +43,7 @@ echo "+ $images JPEGs in $folder ($(du -sh "$folder" | cut -f1)): $(( $(date +%s
 sweep 110 tracking.experiment=image_decode_gpu dataset.root="$folder" dataset.read_workers=16 \
   loader=gpu_decode,gpu_resident engine.precision="$precisions"
 sweep 110 tracking.experiment=image_decode_workers dataset.root="$folder" loader=prefetch \
-  loader.num_workers=8,16 loader.persistent_workers=true engine.precision="$precisions"
+  loader.num_workers=8,16 loader.persistent_workers=true engine.precision="$precisions" dataset.batch_dtype=float32,uint8
 report image_decode_gpu image_decode_workers > outputs/image_decode.md
 echo "+ held folder: $(( $(date +%s) - start )) s" >&2
 if [ "$big" -gt 0 ] && [ $(( deadline - $(date +%s) )) -lt 120 ]; then

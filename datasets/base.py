@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 from omegaconf import MISSING
@@ -64,6 +64,13 @@ class FeedDataset:
     def on_device(self, x: torch.Tensor) -> torch.Tensor:
         """Turn a batch of the tensor path into the model input, where it now lives."""
         return x
+
+    @property
+    def per_sample_finish(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        """What turns a copied batch of the per-sample path into the model input, for a dataset
+        whose per-sample items cross the link in their storage dtype (an image folder with
+        `dataset.batch_dtype=uint8`); None: they are the model input already."""
+        return None
 
     @property
     def sample_bytes(self) -> int:

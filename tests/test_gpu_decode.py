@@ -156,3 +156,37 @@ def test_fake_data_writes_an_image_folder_once(tmp_path, capsys):
     assert [f.stat().st_mtime_ns for f in files] == stamps
     assert fake_data.main(["--images", "-1"]) == 2
     assert capsys.readouterr().err == "error: --images must be >= 0 and --size >= 1 (got -1, 224): use --images 1000 --size 224\n"
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "pinned", "prefetch"])
+def test_uint8_batches_give_the_same_floats_from_a_quarter_of_the_bytes(tmp_path, strategy):
+    """`dataset.batch_dtype=uint8`: the DataLoader's batches are the decoded uint8 images, made
+    float after the copy (timm's fast_collate): the same floats, bit for bit, in the same order;
+    and Lightning may not copy them itself (no host batches: the strategy finishes them)."""
+    write_mixed(tmp_path / "images", count=20)
+    folder = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=16", "loader.batch_size=8",
+              f"loader={strategy}"]
+    floats, _ = passes(job(*folder))
+    small, _ = passes(job(*folder, "dataset.batch_dtype=uint8"))
+    assert len(small) == len(floats) == 6
+    for (x, y), (fx, fy) in zip(small, floats):
+        assert x.dtype == torch.float32 and torch.equal(x, fx) and torch.equal(y, fy)
+    cfg = job(*folder, "dataset.batch_dtype=uint8")
+    with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu")) as loader:
+        (host_x, _), = [next(iter(loader.dataloader))]
+        assert host_x.dtype == torch.uint8 and loader.host_batches() is None
+
+
+def test_a_batch_dtype_that_is_neither_is_one_line():
+    with pytest.raises(ConfigError, match=r"^dataset\.batch_dtype must be one of float32, uint8 \(got 'int8'\): "
+                                          r"set dataset\.batch_dtype=uint8 \(made float on the device\) or float32$"):
+        build_dataset(job("dataset=image_folder", "dataset.root=/tmp", "dataset.batch_dtype=int8").dataset)
+
+
+def test_uint8_batches_train_under_lightning_copied_by_the_strategy(tmp_path, runs, tracking_uri):
+    write_mixed(tmp_path / "images", count=12)
+    summary = run(job("dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=8",
+                      "dataset.batch_dtype=uint8", "loader=pinned", "loader.batch_size=4", "engine.loop=lightning",
+                      "engine.max_steps=4", f"tracking.uri={tracking_uri}"))
+    (r,) = runs()
+    assert r.info.status == "FINISHED" and r.data.tags["loop"] == "lightning" and summary["total_steps"] == 4

@@ -73,6 +73,9 @@ class DeviceLoader:
         self.setup_s = 0.0  # one-time cost paid before the first batch (pinning, uploading)
         self.pinned_bytes = 0  # page-locked host memory this loader holds
         self.copy_probe = None
+        # A per-sample batch that crosses the link in its storage dtype is made the model input
+        # after its copy (DataLoader strategies; None: it is the model input already).
+        self.finish = dataset.per_sample_finish
 
     @property
     def degraded(self) -> bool:
@@ -98,8 +101,13 @@ class DeviceLoader:
         """One pass of this strategy's batches *before* their copy, for a loop that copies batches
         itself (Lightning's `transfer_batch_to_device`), or None when the strategy must make its own
         copies: only a strategy whose copy is a plain `.to(device, non_blocking=True)` on the compute
-        stream after a DataLoader returns them (none of the side-stream or resident strategies)."""
+        stream after a DataLoader returns them (none of the side-stream or resident strategies), of
+        batches that are the model input once copied (not `self.finish`'s)."""
         return None
+
+    def _finished(self, batch: Batch) -> Batch:
+        """A copied per-sample batch as the model takes it (`self.finish`, when there is one)."""
+        return batch if self.finish is None else (self.finish(batch[0]), *batch[1:])
 
     def close(self) -> None:
         """Release workers, threads and buffers (also called on interrupt; safe to call twice)."""

@@ -22,8 +22,8 @@ class BaselineLoader(DeviceLoader):
     def __iter__(self):
         for batch in self._batches():
             # Pageable source: CUDA stages it through a driver buffer and the host waits.
-            yield self._copy(batch, non_blocking=False)
+            yield self._finished(self._copy(batch, non_blocking=False))
 
     def host_batches(self):
         # A pageable batch copied with non_blocking=True (as Lightning does) still waits on the host.
-        return self._batches()
+        return self._batches() if self.finish is None else None

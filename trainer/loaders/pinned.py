@@ -29,8 +29,8 @@ class PinnedLoader(DeviceLoader):
 
     def __iter__(self):
         for batch in self._batches():
-            yield self._copy(batch, non_blocking=self.cfg.non_blocking)
+            yield self._finished(self._copy(batch, non_blocking=self.cfg.non_blocking))
 
     def host_batches(self):
         # Lightning's own copy is non_blocking: a blocking one (non_blocking=false) stays ours.
-        return self._batches() if self.cfg.non_blocking else None
+        return self._batches() if self.cfg.non_blocking and self.finish is None else None

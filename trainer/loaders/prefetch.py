@@ -1,6 +1,7 @@
 """`prefetch`: pinned batches copied on a side CUDA stream `depth` batches ahead, so the copy
 of batch k+1 runs while the step on batch k computes (PyTorch Lightning issue #1316's request, done with streams)."""
 
+import contextlib
 from dataclasses import dataclass
 
 from trainer.errors import at_least
@@ -31,4 +32,11 @@ class PrefetchLoader(DeviceLoader):
         self.copier = SideStreamCopier(self, cfg.depth)  # one stream for the loader's lifetime
 
     def __iter__(self):
-        return self.copier.run((batch, None) for batch in self._batches())
+        batches = self.copier.run((batch, None) for batch in self._batches())
+        return batches if self.finish is None else self._each_finished(batches)
+
+    def _each_finished(self, batches):
+        """Each batch made the model input on the compute stream, after its wait for the copy."""
+        with contextlib.closing(batches):  # a pass left early stops its copies and workers at once
+            for batch in batches:
+                yield self._finished(batch)
