@@ -65,6 +65,11 @@ class FeedDataset:
         """Turn a batch of the tensor path into the model input, where it now lives."""
         return x
 
+    def check_block(self, what: str) -> None:
+        """Before `what` (a strategy) holds the whole dataset in one block of its storage dtype:
+        refuse in one line if this dataset says it must not (an image folder past its
+        `max_host_mb`). The strategies check the host's free memory themselves."""
+
     @property
     def per_sample_finish(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         """What turns a copied batch of the per-sample path into the model input, for a dataset

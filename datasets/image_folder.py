@@ -26,6 +26,7 @@ import torch
 from datasets.base import DATASETS, DatasetConfig, to_unit_float
 from datasets.samples import SampleDataset
 from trainer.errors import ConfigError, at_least
+from trainer.memory import host_available_bytes
 
 BATCH_DTYPES = ("float32", "uint8")
 
@@ -73,15 +74,21 @@ class ImageFolderDataset(SampleDataset):
         self.files = [path for path, _ in kept]
         self.labels = torch.tensor([label for _, label in kept], dtype=torch.int64)
 
-    def load_chunk(self, i: int, out=None):
-        """The decoded images in one block, for the one-block strategies: refused in one line
-        when they would take more than `dataset.max_host_mb`."""
+    def check_block(self, what: str) -> None:
+        """The decoded images in one block: refused in one line past `dataset.max_host_mb`, or
+        past the host's free memory (where the strategy's own check would offer chunks, which
+        an image folder does not have)."""
+        free = host_available_bytes()
         if self.max_host_bytes and self.nbytes > self.max_host_bytes:
-            raise ConfigError(f"dataset=image_folder decoded is {self.nbytes / 2**20:.1f} MiB ({len(self)} images of "
-                              f"3x{self.size}x{self.size} uint8), over dataset.max_host_mb={self.max_host_mb:g}: "
-                              f"use loader=gpu_decode (it decodes each batch from the files, streamed from disk when "
-                              f"they do not fit either) or a DataLoader strategy (loader=baseline, pinned or prefetch)")
-        return super().load_chunk(i, out)
+            over = f"over dataset.max_host_mb={self.max_host_mb:g}"
+        elif self.nbytes > free:
+            over = f"more than the {free / 2**20:.0f} MiB of host memory available"
+        else:
+            return
+        raise ConfigError(f"dataset=image_folder decoded is {self.nbytes / 2**20:.1f} MiB ({len(self)} images of "
+                          f"3x{self.size}x{self.size} uint8), {over}, and {what} holds it whole: use loader=gpu_decode "
+                          f"(it decodes each batch from the files, streamed from disk when they do not fit either) "
+                          f"or a DataLoader strategy (loader=baseline, pinned or prefetch)")
 
     def per_sample(self) -> torch.utils.data.Dataset:
         return super().per_sample() if self.cfg.batch_dtype == "uint8" else self.images

@@ -81,9 +81,11 @@ def test_a_folder_larger_than_max_host_mb_streams_and_trains(tmp_path, runs, tra
     assert r.info.status == "FINISHED" and r.data.tags["degraded"] == "true"
     assert summary["total_steps"] == 12 and summary["held_file_mb"] == 0.0
     assert summary["total_samples"] == 9 * 32 + 12 + 2 * 32  # an epoch of 300 ends with a batch of 12
-    with pytest.raises(ConfigError, match=r"^dataset=image_folder decoded is 0\.9 MiB \(300 images of 3x32x32 uint8\), "
-                                          r"over dataset\.max_host_mb=0\.3: use loader=gpu_decode"):
-        run(job(*images, "loader=pinned_chunk", "tracking.experiment=one_block"))
+    for strategy in ("pinned_chunk", "gpu_resident", "iterable_chunks"):  # refused before they allocate anything
+        with pytest.raises(ConfigError, match=rf"^dataset=image_folder decoded is 0\.9 MiB \(300 images of 3x32x32 uint8\), "
+                                              rf"over dataset\.max_host_mb=0\.3, and loader={strategy} holds it whole: "
+                                              r"use loader=gpu_decode"):
+            run(job(*images, f"loader={strategy}", "tracking.experiment=one_block"))
 
 
 def test_gpu_decode_needs_an_image_folder():

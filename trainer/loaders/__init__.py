@@ -22,6 +22,9 @@ import_modules(__name__, __path__)
 def build_loader(cfg, dataset, device: torch.device, seed: int = 0, shard: Shard = Shard()) -> DeviceLoader:
     """Build the strategy `cfg` names (its typed Config, or its section of a composed config);
     under torchrun, over this rank's `shard` of every epoch."""
+    name = cfg.name if hasattr(cfg, "name") else cfg["name"]
+    if name in LOADERS and not LOADERS[name].per_sample:  # it will hold the dataset in one block: may it?
+        dataset.check_block(f"loader={name}")
     return LOADERS.build(cfg, dataset, device, seed, shard)
 
 

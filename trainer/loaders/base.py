@@ -60,6 +60,7 @@ class DeviceLoader:
 
     needs_cuda = False  # True: on CPU it runs a degraded path (tagged `degraded=true`)
     reads_files = False  # True: it decodes an image folder's files itself (`gpu_decode`), for no other dataset
+    per_sample = False  # True: it feeds the dataset's per-sample path (a DataLoader) and holds no block of it
     copier = None  # a strategy that copies on a side stream: its `SideStreamCopier`
     # A strategy whose next batch a CUDA-graphed step can fetch inside its own graph: an object with
     # `x`, `y` (the batch it yields), `beside()` (a context manager the step's capture wraps its work

@@ -8,6 +8,7 @@ from trainer.loaders.order import Shard
 
 @LOADERS.register
 class BaselineLoader(DeviceLoader):
+    per_sample = True
     @dataclass
     class Config(LoaderConfig):
         """DataLoader batches in pageable memory, blocking `.to(device)`: what most loops do."""

@@ -65,6 +65,7 @@ _DONE = object()  # the decoding thread's last item of a pass
 class GpuDecodeLoader(DeviceLoader):
     needs_cuda = True
     reads_files = True
+    per_sample = True  # (its own: batch after batch from the files, no block of decoded images)
 
     @dataclass
     class Config(LoaderConfig):

@@ -13,6 +13,7 @@ from trainer.loaders.order import Shard
 
 @LOADERS.register
 class PinnedLoader(DeviceLoader):
+    per_sample = True
     needs_cuda = True
 
     @dataclass

@@ -12,6 +12,7 @@ from trainer.loaders.stream import SideStreamCopier
 
 @LOADERS.register
 class PrefetchLoader(DeviceLoader):
+    per_sample = True
     needs_cuda = True
 
     @dataclass
