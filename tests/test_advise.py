@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from clirun import stop_leftovers, wait_for_running
 from conftest import compose_config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, DoesNotFit
+from trainer.fake_data import write_image_folder
 from trainer.loop.engine import train
 from trainer.loop.meter import StepMeter
 from trainer.loop.run import run
@@ -599,6 +600,63 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     assert (tags["best"], tags["best.chain"]) == ("loader=gpu_resident engine.cuda_graph=true engine.optimizer.impl=fused",
                                                    "input → launch → compute")
     assert "best.changes_training" not in tags and metrics["ladder.feed_workers4_ms"] == 2.5
+
+
+def image_folder_gpu(cfg) -> dict:
+    """A run on a made-up GPU over an image folder whose decoded images do not fit in one block:
+    the DataLoader's workers decode a batch in 20 ms, nvJPEG in 6 (0.2 of it on the loop's thread);
+    the step fed from the device 8 ms eager, 7 graphed. A one-block strategy on the whole folder is
+    refused as `check_block` refuses it (64 images would fit)."""
+    loader, graphed = cfg.loader.name, cfg.engine.cuda_graph
+    if loader in ("gpu_resident", "pinned_chunk") and (cfg.dataset.num_samples == 0 or cfg.dataset.augment != "none"):
+        raise DoesNotFit("dataset=image_folder decoded is 300 MiB, over dataset.max_host_mb=100: use loader=gpu_decode",
+                         fits=64)
+    feed = {"gpu_decode": 6.0, "gpu_resident": 0.01, "pinned_chunk": 0.5}.get(loader, 20.0)
+    step = 7.0 if graphed else 8.0
+    ms = feed if cfg.model.name == "noop" else feed + step if loader == "baseline" else max(feed, step)
+    return {"ms_per_step": ms, "median_step_ms": ms, "host_cores": 8.0,
+            "loop_thread_cpu_ms_per_step": 0.2 if loader == "gpu_decode" else ms}
+
+
+@pytest.mark.parametrize("augment", ["none", "crop_flip"])
+def test_an_image_folder_past_its_memory_gets_gpu_decoding_and_no_one_block_strategy(tmp_path, tracking_uri,
+                                                                                       monkeypatch, augment):
+    """An image folder larger decoded than `dataset.max_host_mb` (or augmented per sample): the step
+    alone is measured on the images that fit (without the augmentation), decoding on the GPU is a
+    change measured by its feed alone and predicted, and no one-block strategy is proposed (they
+    would refuse the folder)."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    monkeypatch.setattr(advisor, "max_workers", lambda: 2)  # the configured workers: no more to offer
+    asked = []
+
+    def run_fn(cfg):
+        asked.append((cfg.tracking.run_name, cfg.dataset.num_samples, cfg.dataset.augment))
+        return image_folder_gpu(cfg)
+
+    folder = write_image_folder(tmp_path, 20, size=16)
+    cfg = compose_config("dataset=image_folder", f"dataset.root={folder}", "dataset.size=16", "dataset.max_host_mb=100",
+                         f"dataset.augment={augment}", "loader.batch_size=16", "loader.num_workers=2", "engine.warmup_steps=5",
+                         f"tracking.uri={tracking_uri}")
+    result = advisor.advise(cfg, steps=10, verify=True, run_fn=run_fn, log=lambda line: None, kernels=False)
+    ladder_ = result["ladder"]
+    assert ladder_.decodes_files and not ladder_.holds_block
+    assert (ladder_.configured, ladder_.ceiling_eager, ladder_.ceiling_graphed) == (28.0, 8.0, 7.0)
+    ceiling = [(n, samples, aug) for n, samples, aug in asked if n.startswith("advise: ceiling")]
+    assert all(aug == "none" for _, _, aug in ceiling)  # the step alone reads batches of the same shape
+    assert ceiling[:2] == [("advise: ceiling, eager", 0, "none"),  # refused whole: on the first 64 images
+                           ("advise: ceiling, eager, the first 64 samples (all do not fit)", 64, "none")]
+    assert {samples for _, samples, _ in ceiling[1:]} == {64}
+    assert result["bound"] == "input" and ladder_.feeds == {setting(strategy="gpu_decode"): 6.0}
+    # The eager step is set by its launches: the decoding thread's 0.2 ms on the loop's thread adds to it.
+    assert [(c.overrides, round(c.predicted_ms, 3), c.measured_ms) for c in result["changes"]] == [
+        (["loader=gpu_decode"], 8.2, 8.0), (["engine.cuda_graph=true"], 20.0, 27.0)]
+    assert "the image files sent compressed, decoded by nvJPEG on the GPU" in result["text"]
+    top = result["best"]
+    assert (top.overrides, top.predicted_ms, top.chain) == (["loader=gpu_decode", "engine.cuda_graph=true"], 7.0,
+                                                            ["input", "launch", "compute"])
+    assert not any("gpu_resident" in " ".join(c.overrides) or "pinned_chunk" in " ".join(c.overrides)
+                   for c in [top, *result["changes"]])
 
 
 def test_a_feed_alone_slower_than_the_whole_run_is_measured_again(tracking_uri, monkeypatch):

@@ -15,6 +15,7 @@ from datasets import build_dataset
 from trainer.errors import ConfigError, RunFailed
 from trainer.fake_data import write_image_folder
 from trainer.loaders import build_loader
+from trainer.loaders.order import epoch_order
 from trainer.loop.run import run
 from trainer.validate import resolve
 
@@ -30,6 +31,21 @@ def write_mixed(root, count: int = 40) -> None:
         folder = root / f"class_{i % 3}"
         folder.mkdir(parents=True, exist_ok=True)
         Image.fromarray(pixels).save(folder / f"{i:03d}.{'png' if i % 2 else 'jpg'}", quality=90)
+
+
+def write_ramps(root, count: int = 8, suffix: str = "png") -> None:
+    """`count` copies of one image that brightens from left to right (64 x 48, 4 levels a column), in
+    two class folders: a crop of it, resized, still brightens left to right, unless it was flipped."""
+    ramp = np.repeat(np.repeat(np.arange(0, 256, 4, dtype=np.uint8)[None, :, None], 48, axis=0), 3, axis=2)
+    for i in range(count):
+        folder = root / f"class_{i % 2}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(ramp).save(folder / f"{i:03d}.{suffix}", quality=95)
+
+
+def mirrored(x: torch.Tensor) -> torch.Tensor:
+    """Which ramp images of a batch (B x 3 x H x W) darken from left to right: the flipped ones."""
+    return x[..., 0].mean((1, 2)) > x[..., -1].mean((1, 2))
 
 
 def job(*overrides):
@@ -84,8 +100,9 @@ def test_a_folder_larger_than_max_host_mb_streams_and_trains(tmp_path, runs, tra
     for strategy in ("pinned_chunk", "gpu_resident", "iterable_chunks"):  # refused before they allocate anything
         with pytest.raises(ConfigError, match=rf"^dataset=image_folder decoded is 0\.9 MiB \(300 images of 3x32x32 uint8\), "
                                               rf"over dataset\.max_host_mb=0\.3, and loader={strategy} holds it whole: "
-                                              r"use loader=gpu_decode"):
+                                              r"use loader=gpu_decode") as refused:
             run(job(*images, f"loader={strategy}", "tracking.experiment=one_block"))
+        assert refused.value.fits == 102  # 0.3 MiB holds 102 images of 3 KiB: the advisor's ceiling reads those
 
 
 def test_gpu_decode_needs_an_image_folder():
@@ -192,3 +209,93 @@ def test_uint8_batches_train_under_lightning_copied_by_the_strategy(tmp_path, ru
                       "engine.max_steps=4", f"tracking.uri={tracking_uri}"))
     (r,) = runs()
     assert r.info.status == "FINISHED" and r.data.tags["loop"] == "lightning" and summary["total_steps"] == 4
+
+
+# -- dataset.augment=crop_flip ---------------------------------------------------------------------
+CROP_FLIP_PATHS = [["loader=baseline"], ["loader=prefetch", "dataset.batch_dtype=uint8", "loader.num_workers=2"],
+                   ["loader=gpu_decode", "loader.threads=2"]]
+
+
+@pytest.mark.parametrize("strategy", CROP_FLIP_PATHS, ids=lambda s: " ".join(s))
+def test_crop_flip_draws_new_crops_each_epoch_in_baselines_order(tmp_path, strategy):
+    """40 JPEGs and PNGs of five sizes, shuffled, two epochs, crop_flip: every batch 16 px square
+    floats in [0, 1], with baseline's labels (no augmentation) in baseline's order; and each
+    image's pixels differ from one epoch to the next (new crops and flips, not the fixed resize)."""
+    write_mixed(tmp_path / "images")
+    folder = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=16", "loader.batch_size=16"]
+    base, _ = passes(job(*folder, "loader=baseline"))
+    cfg = job(*folder, "dataset.augment=crop_flip", *strategy)
+    mine, _ = passes(cfg)
+    assert [y.tolist() for _, y in mine] == [y.tolist() for _, y in base]
+    for (x, _), (bx, _) in zip(mine, base):
+        assert x.shape == bx.shape and x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1
+    first, second = (torch.cat([x for x, _ in mine[e * 3:e * 3 + 3]]) for e in (0, 1))
+    by_sample = [torch.empty_like(first) for _ in range(2)]
+    for epoch, (x, out) in enumerate(zip((first, second), by_sample)):
+        out[epoch_order(40, True, cfg.engine.seed, epoch)] = x  # back into the folder's order
+    assert all(not torch.equal(a, b) for a, b in zip(*by_sample))
+    assert not torch.equal(first, torch.cat([x for x, _ in base[:3]]))  # not the fixed resize either
+
+
+@pytest.mark.parametrize("strategy", [["loader=baseline"], ["loader=gpu_decode"]], ids=lambda s: s[0])
+def test_crop_flip_flips_about_half_the_images(tmp_path, strategy):
+    """A PNG ramp, brightening left to right, 8 times, over 6 epochs: cropped and resized it still
+    brightens or darkens across every row, and both come out (flipped about half the time)."""
+    torch.manual_seed(0)  # the DataLoader path draws from torch's global RNG (its workers' when it has some)
+    write_ramps(tmp_path / "ramps")
+    cfg = job("dataset=image_folder", f"dataset.root={tmp_path / 'ramps'}", "dataset.size=16", "loader.batch_size=8",
+              "dataset.augment=crop_flip", *strategy)
+    x = torch.cat([x for x, _ in passes(cfg, epochs=6)[0]])
+    steps = x.diff(dim=-1)
+    flipped = mirrored(x)
+    assert ((steps <= 0).flatten(1).all(1) == flipped).all() and ((steps >= 0).flatten(1).all(1) == ~flipped).all()
+    assert 8 <= flipped.sum() <= 40  # of 48: about half
+
+
+def test_crop_flip_on_gpu_decode_is_the_same_for_the_same_seed(tmp_path):
+    """Two gpu_decode loaders of one seed draw the same crops and flips, epoch after epoch (their own
+    generator, not torch's global one, which is drawn from between them); another seed does not."""
+    write_mixed(tmp_path / "images", count=20)
+    folder = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=16", "loader.batch_size=8",
+              "dataset.augment=crop_flip", "loader=gpu_decode"]
+    one, _ = passes(job(*folder))
+    torch.rand(100)
+    two, _ = passes(job(*folder))
+    other, _ = passes(job(*folder, "engine.seed=1"))
+    assert len(one) == len(two) == 6
+    assert all(torch.equal(x, tx) and torch.equal(y, ty) for (x, y), (tx, ty) in zip(one, two))
+    assert not torch.equal(torch.cat([x for x, _ in one]), torch.cat([x for x, _ in other]))
+
+
+def test_gpu_decodes_crop_boxes_are_torchvisions_drawn_from_its_own_generator():
+    """The box gpu_decode crops is the one torchvision's RandomResizedCrop (the DataLoader path's)
+    draws from the same RNG state: on images where a box fits at once, and on ones so narrow that
+    its ten tries miss and it falls back to a centre crop."""
+    from datasets.image_folder import CROP_RATIO, CROP_SCALE
+    from torchvision.transforms import RandomResizedCrop
+    from trainer.loaders.gpu_decode import _crop_box
+
+    for height, width in [(48, 64), (31, 17), (224, 224), (10, 200), (3, 500)]:
+        image = torch.zeros(3, height, width)
+        for seed in range(200):
+            torch.manual_seed(seed)  # torchvision draws from torch's global RNG
+            expected = RandomResizedCrop.get_params(image, list(CROP_SCALE), list(CROP_RATIO))
+            assert _crop_box(height, width, torch.Generator().manual_seed(seed)) == expected
+
+
+def test_crop_flip_is_refused_by_a_one_block_strategy(tmp_path):
+    write_mixed(tmp_path / "images", count=8)
+    folder = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=16", "loader.batch_size=4",
+              "dataset.augment=crop_flip"]
+    for strategy in ("pinned_chunk", "gpu_resident"):
+        with pytest.raises(ConfigError, match=rf"^dataset\.augment=crop_flip crops every image afresh at every epoch, "
+                                              rf"and loader={strategy} holds each image decoded once, resized to 16x16: "
+                                              r"use loader=gpu_decode or a DataLoader strategy \(loader=baseline, "
+                                              r"pinned or prefetch\), or dataset\.augment=none$"):
+            passes(job(*folder, f"loader={strategy}"))
+
+
+def test_an_augment_that_is_neither_is_one_line():
+    with pytest.raises(ConfigError, match=r"^dataset\.augment must be one of none, crop_flip \(got 'flip'\): "
+                                          r"set dataset\.augment=crop_flip \(random crop and flip\) or none$"):
+        build_dataset(job("dataset=image_folder", "dataset.root=/tmp", "dataset.augment=flip").dataset)

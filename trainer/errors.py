@@ -24,6 +24,15 @@ class ConfigError(ValueError):
     """A config value or combination that cannot run; the message names the key and the fix."""
 
 
+class DoesNotFit(ConfigError):
+    """A dataset too large for the one block a strategy would hold it in; `fits`: how many of its
+    samples would (the advisor measures the step alone on those)."""
+
+    def __init__(self, message: str, fits: int):
+        super().__init__(message)
+        self.fits = fits
+
+
 def at_least(key: str, value, low, fix) -> None:
     """`key` must be >= `low`; `fix` is a value that works."""
     if value < low:

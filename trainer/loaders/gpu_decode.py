@@ -14,16 +14,22 @@ long as the decoded images fit in memory. This strategy does neither:
   link, about a tenth of the pixels), decodes the other files (PNG, ...) on the host and copies
   their pixels (a JPEG nvJPEG refuses, too), resizes every image to `dataset.size` on the device
   (bilinear, antialiased) and makes the batch the float image in [0, 1] the model reads
-  (`dataset.on_device`);
+  (`dataset.on_device`). With `dataset.augment=crop_flip` it crops each decoded image instead
+  (a random box, as torchvision's RandomResizedCrop draws it), resizes the crop to `dataset.size`
+  and flips it half the time, from a generator seeded by the loader's seed, the epoch and the
+  rank: a run is reproducible, and each epoch draws anew;
 - the loop's thread waits for nothing but the batch's event: the compute stream waits on it, and
   each batch is `record_stream`-ed on the compute stream before the step reads it (the caching
   allocator may not hand its memory to a later batch meanwhile). At most `loader.depth` decoded
   batches wait ahead of the step.
 
 The batches hold `baseline`'s samples in `baseline`'s order for the same seed, with the same
-labels; the pixels differ from the DataLoader path's (PIL decoding, PIL's resize) in their last
-bits: nvJPEG's IDCT and the tensor resize round differently (tests/test_gpu_decode.py says by how
-much). On a CPU the same pipeline decodes on the host (tagged `degraded=true`).
+labels; the pixels differ from the DataLoader path's (PIL decoding, PIL's resize): the tensor
+resize rounds apart by a level (tests/test_gpu_decode.py), and nvJPEG widens the halved chroma of
+a 4:2:0 JPEG apart from libjpeg-turbo, by tens of levels at single pixels (tests/test_gpu.py;
+docs/image_folders.md). With `dataset.augment=crop_flip` they differ wholly: the DataLoader's workers draw their
+crops and flips apart from this strategy's generator. On a CPU the same pipeline decodes on the
+host (tagged `degraded=true`).
 
 Figures: `decode_ms_per_batch` (the decoding thread's time per batch, from its files read to the
 batch ready on the device: decoding, resizing, converting; the median over the batches after the
@@ -35,6 +41,7 @@ nvJPEG decoded) and `held_file_mb` (the files' bytes held in host memory; 0: rea
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import re
@@ -48,6 +55,7 @@ from typing import List, Optional
 
 import torch
 
+from datasets.image_folder import CROP_RATIO, CROP_SCALE
 from trainer.errors import ConfigError, RunFailed, at_least
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
@@ -59,6 +67,9 @@ JPEG_MAGIC = b"\xff\xd8"
 warnings.filterwarnings("ignore", message="The image decoding and encoding capabilities of TorchVision are deprecated",
                         category=DeprecationWarning)
 _DONE = object()  # the decoding thread's last item of a pass
+CROP_LOG_RATIO = torch.log(torch.tensor(CROP_RATIO)).tolist()  # in float32, as torchvision takes it: the same boxes
+# Mixed into the crop draws' seed, so that they do not start from the epoch order's seed (`epoch_order`).
+CROP_SEED_SALT = 0x9E3779B97F4A7C15
 
 
 @LOADERS.register
@@ -91,6 +102,7 @@ class GpuDecodeLoader(DeviceLoader):
 
         self._decode_jpeg, self._decode_image, self._rgb = decode_jpeg, decode_image, ImageReadMode.RGB
         self.files, self.labels, self.size = dataset.files, dataset.labels, dataset.size
+        self.crop_flip = dataset.augment == "crop_flip"
         self.thread_device = self._thread_device()  # resolved here: on a new thread, "cuda" would mean GPU 0
         self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # once per loader
         self.block: Optional[torch.Tensor] = None  # every file's bytes, end to end, when they are held
@@ -124,7 +136,7 @@ class GpuDecodeLoader(DeviceLoader):
             self.offsets.append(self.offsets[-1] + n)
         self.block = torch.empty(total, dtype=torch.uint8)
         self.held_bytes = total
-        view = self.block.numpy()
+        view = self.view = self.block.numpy()
 
         def read(i: int) -> None:
             with open(self.files[i], "rb") as f:
@@ -135,12 +147,16 @@ class GpuDecodeLoader(DeviceLoader):
                                   f"{'more' if grew else got}): keep dataset.root unchanged during a run")
         list(self.pool.map(read, range(len(self.files))))
 
-    def _file(self, i: int) -> torch.Tensor:
-        """File `i`'s bytes as a uint8 tensor (a view of the block, or read from disk now)."""
+    def _file(self, i: int) -> tuple:
+        """File `i`: `(its bytes as a uint8 tensor, whether it is a JPEG)`; a view of the block, or
+        read from disk now. (Told from its first bytes here, on a reading thread: on the decoding
+        thread two tensor reads a file cost a millisecond a batch.)"""
         if self.block is not None:
-            return self.block[self.offsets[i]:self.offsets[i + 1]]
+            start, end = self.offsets[i], self.offsets[i + 1]
+            return self.block[start:end], bytes(self.view[start:min(end, start + 2)]) == JPEG_MAGIC
         with open(self.files[i], "rb") as f:
-            return torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+            data = f.read()
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8), data[:2] == JPEG_MAGIC
 
     # -- decoding -----------------------------------------------------------------------------
     def _on_host(self, encoded: torch.Tensor) -> torch.Tensor:
@@ -151,11 +167,23 @@ class GpuDecodeLoader(DeviceLoader):
             image = F.to_dtype(image, torch.uint8, scale=True)
         return image
 
-    def _decode(self, rows: List[int], encoded: List[torch.Tensor]) -> tuple:
-        """One batch on the device: `(x, y)`, x float in [0, 1] (B x 3 x size x size)."""
+    def _decode(self, rows: List[int], files: List[tuple], crops: Optional[torch.Generator]) -> tuple:
+        """One batch on the device: `(x, y)`, x float in [0, 1] (B x 3 x size x size); each image
+        resized whole, or with `crops` (the pass's generator) cropped at random and flipped.
+        `files`: each row's `(bytes, is_jpeg)`."""
         size, device = self.size, self.device
-        jpeg = [k for k, t in enumerate(encoded) if self.on_cuda and len(t) > 2 and t[0] == 0xFF and t[1] == 0xD8]
+        encoded = [data for data, _ in files]
+        jpeg = [k for k, (_, is_jpeg) in enumerate(files) if is_jpeg and self.on_cuda]
         pictures: List[Optional[torch.Tensor]] = [None] * len(rows)
+
+        def on_host(ks: List[int]) -> None:
+            for k, image in zip(ks, self.pool.map(lambda k: self._on_host(encoded[k]), ks)):
+                pictures[k] = image.to(device, non_blocking=False)
+
+        # A copy from pageable memory waits for this stream's work to end: the labels and the images
+        # decoded on the host cross first, before nvJPEG's work is queued on the stream.
+        y = self.labels[torch.tensor(rows)].to(device, non_blocking=False)
+        on_host([k for k in range(len(rows)) if k not in set(jpeg)])
         if jpeg:
             # nvJPEG writes its images on a stream of its own, into memory allocated on this one
             # (the side stream): memory this stream's earlier work may still read, freed by the
@@ -168,25 +196,34 @@ class GpuDecodeLoader(DeviceLoader):
             except RuntimeError as e:  # a JPEG nvJPEG will not take (its chroma subsampling, say): all on the host
                 if "out of memory" in str(e):
                     raise torch.OutOfMemoryError(str(e)) from e
+                on_host(jpeg)
                 jpeg, decoded = [], []
             for k, image in zip(jpeg, decoded):
                 pictures[k] = image
-        others = [k for k in range(len(rows)) if pictures[k] is None]
-        for k, image in zip(others, self.pool.map(lambda k: self._on_host(encoded[k]), others)):
-            pictures[k] = image.to(device, non_blocking=False)
+        others = [k for k in range(len(rows)) if k not in set(jpeg)]
         self.images += len(rows)
         self.gpu_images += len(jpeg)
         self.link_bytes += sum(encoded[k].numel() for k in jpeg) + sum(pictures[k].nbytes for k in others) + 8 * len(rows)
-        x = torch.empty((len(rows), 3, size, size), dtype=torch.uint8, device=device)
-        by_shape = {}
-        for k, image in enumerate(pictures):
-            by_shape.setdefault(tuple(image.shape[1:]), []).append(k)
-        for shape, ks in by_shape.items():  # one resize per size of image found in the batch
-            group = torch.stack([pictures[k] for k in ks])
-            if shape != (size, size):
-                group = _resize(group, size)
-            x[torch.tensor(ks, device=device)] = group
-        y = self.labels[torch.tensor(rows)].to(device, non_blocking=False)
+        if crops is not None:
+            x = torch.empty((len(rows), 3, size, size), dtype=torch.uint8, device=device)
+            # Every crop has its own size, so one resize per image: a few small kernels each where
+            # a batch of one image size takes one resize, all on this side stream, beside the step.
+            # The boxes are drawn on the host (no sync with the device).
+            for k, image in enumerate(pictures):
+                x[k] = _crop_flip(image, size, crops)
+        else:
+            by_shape = {}
+            for k, image in enumerate(pictures):
+                by_shape.setdefault(tuple(image.shape[1:]), []).append(k)
+            x = None if len(by_shape) == 1 else torch.empty((len(rows), 3, size, size), dtype=torch.uint8, device=device)
+            for shape, ks in by_shape.items():  # one resize per size of image found in the batch
+                group = torch.stack([pictures[k] for k in ks])
+                if shape != (size, size):
+                    group = _resize(group, size)
+                if x is None:  # one size: the batch itself
+                    x = group
+                else:  # (non_blocking: the index is staged at once, without waiting for the decode)
+                    x[torch.tensor(ks).to(device, non_blocking=True)] = group
         return self.dataset.on_device(x), y
 
     def _named(self, rows: List[int], error: Exception) -> Exception:
@@ -195,7 +232,7 @@ class GpuDecodeLoader(DeviceLoader):
             return error  # the run's fault handler says which key to lower
         for i in rows:
             try:
-                self._on_host(self._file(i))
+                self._on_host(self._file(i)[0])
             except Exception as e:
                 return RunFailed(f"{self.files[i]} could not be decoded ({type(e).__name__}: {_said(e)}): "
                                  f"loader=gpu_decode decodes JPEG, PNG, WebP and GIF files: convert or remove it, or "
@@ -203,10 +240,12 @@ class GpuDecodeLoader(DeviceLoader):
         return RunFailed(f"loader=gpu_decode could not decode a batch of {self.files[rows[0]]} and {len(rows) - 1} more "
                          f"({type(error).__name__}: {' '.join(str(error).split())[:200]}): try loader=prefetch")
 
-    def _run(self, batches: List[List[int]], out: queue.Queue, stop: threading.Event) -> None:
+    def _run(self, batches: List[List[int]], out: queue.Queue, stop: threading.Event,
+             crops: Optional[torch.Generator]) -> None:
         """The decoding thread of one pass: each batch's files (read by the pool, one task per
-        file, `depth` batches ahead), decoded on the side stream and waited for there, its event
-        recorded, handed to the loop's thread. Ends at `stop`, or with its error handed over."""
+        file, `depth` batches ahead), decoded (and cropped, with `crops`) on the side stream and
+        waited for there, its event recorded, handed to the loop's thread. Ends at `stop`, or with
+        its error handed over."""
         reads: List[Optional[list]] = []
         try:
             if self.on_cuda:
@@ -218,16 +257,16 @@ class GpuDecodeLoader(DeviceLoader):
                     break
                 if b + ahead < len(batches):
                     reads.append([self.pool.submit(self._file, i) for i in batches[b + ahead]])
-                encoded = [f.result() for f in reads[b]]
+                files = [f.result() for f in reads[b]]
                 reads[b] = None
                 begin = time.perf_counter()
                 try:
                     if self.stream is None:
-                        batch, done = self._decode(rows, encoded), None
+                        batch, done = self._decode(rows, files, crops), None
                     else:
                         done = torch.cuda.Event()
                         with torch.cuda.stream(self.stream):
-                            batch = self._decode(rows, encoded)
+                            batch = self._decode(rows, files, crops)
                             done.record(self.stream)
                         done.synchronize()  # this thread's own wait: the loop's thread waits for nothing
                 except Exception as e:
@@ -254,11 +293,13 @@ class GpuDecodeLoader(DeviceLoader):
             raise RuntimeError("loader=gpu_decode is closed: build a new loader to iterate again")
         self._end_pass()  # a pass left unfinished (a loop that broke out of it) ends here
         order = self._epoch_rows(self.epoch).tolist()
+        # Drawn only by this pass's decoding thread, in batch order: the same seed, the same crops.
+        crops = torch.Generator().manual_seed(_crop_seed(self.seed, self.epoch, self.shard)) if self.crop_flip else None
         self.epoch += 1
         b = self.cfg.batch_size
         batches = [order[i:i + b] for i in range(0, len(order), b)]
         out, stop = queue.Queue(maxsize=self.cfg.depth), threading.Event()
-        worker = threading.Thread(target=self._run, args=(batches, out, stop), name="gpu-decode", daemon=True)
+        worker = threading.Thread(target=self._run, args=(batches, out, stop, crops), name="gpu-decode", daemon=True)
         self.worker, self.out, self.stop = worker, out, stop
         worker.start()
         compute = torch.cuda.current_stream(self.device) if self.on_cuda else None
@@ -334,3 +375,40 @@ def _resize(images: torch.Tensor, size: int) -> torch.Tensor:
     from torchvision.transforms.v2 import functional as F
 
     return F.resize(images, [size, size], antialias=True)
+
+
+def _crop_seed(seed: int, epoch: int, shard: Shard) -> int:
+    """The seed of one pass's crop draws on one rank: its own for each epoch and rank."""
+    return (((seed * 1_000_003 + epoch) * shard.world_size + shard.rank) % 2**64) ^ CROP_SEED_SALT
+
+
+def _crop_box(height: int, width: int, generator: torch.Generator) -> tuple:
+    """`(top, left, h, w)`: the box torchvision's `RandomResizedCrop.get_params` draws (with
+    `CROP_SCALE` and `CROP_RATIO`), drawn from `generator`: `get_params` takes none, and draws from
+    torch's global RNG, which other threads draw from too."""
+    area = height * width
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(*CROP_SCALE, generator=generator).item()
+        aspect_ratio = torch.exp(torch.empty(1).uniform_(*CROP_LOG_RATIO, generator=generator)).item()
+        w = int(round(math.sqrt(target_area * aspect_ratio)))
+        h = int(round(math.sqrt(target_area / aspect_ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (1,), generator=generator))
+            left = int(torch.randint(0, width - w + 1, (1,), generator=generator))
+            return top, left, h, w
+    in_ratio = width / height  # ten misses: the centre crop of the nearest ratio allowed
+    if in_ratio < min(CROP_RATIO):
+        w, h = width, int(round(width / min(CROP_RATIO)))
+    elif in_ratio > max(CROP_RATIO):
+        w, h = int(round(height * max(CROP_RATIO))), height
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _crop_flip(image: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
+    """One uint8 image (3 x H x W): a random box of it (a view) resized to size x size, flipped left
+    to right half the time, as torchvision's RandomResizedCrop and RandomHorizontalFlip(0.5)."""
+    top, left, h, w = _crop_box(image.shape[1], image.shape[2], generator)
+    crop = _resize(image[None, :, top:top + h, left:left + w], size)[0]
+    return crop.flip(-1) if torch.rand(1, generator=generator).item() < 0.5 else crop

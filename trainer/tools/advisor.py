@@ -46,10 +46,11 @@ from mlflow.entities import Metric, RunStatus
 from mlflow.tracking import MlflowClient
 from omegaconf import OmegaConf, open_dict
 
+from datasets import DATASETS
 from models import MODELS
 from trainer.__main__ import _terminate, hydra_error_line  # the CLI's SIGTERM, and its one line for a bad override
 from trainer.config import CONF_DIR
-from trainer.errors import ConfigError, RunFailed
+from trainer.errors import ConfigError, DoesNotFit, RunFailed
 from trainer.loaders import LOADERS
 from trainer.loaders.base import LoaderConfig
 from trainer.tools.tuning import DATALOADER_STRATEGIES, max_workers
@@ -85,6 +86,9 @@ GRAPH_EXCLUSIVE = ("compile",)  # the engine refuses engine.compile with engine.
 CHANGES_TRAINING = ("precision",)  # proposed only with `--allow <lever>`, and said to change the training
 # The lever values of a feed alone: no model to graph or compile.
 FEED_ALONE = {"graph": False, "compile": STEP_TRIALS["compile"][0]}
+# The dataset as the ceiling reads it, where the job's differs: the step alone reads batches of the
+# same shape, and augmenting each sample afresh is the feed's work (a block decoded once cannot).
+CEILING_DATASET = {"dataset.augment": "none"}
 # Which levers remove which bound (the chain of bounds a configuration goes through).
 REMOVES = {"input": FEED_LEVERS, "copy": FEED_LEVERS, "launch": ("graph",), "compute": ("compile", "optimizer", "precision")}
 
@@ -148,6 +152,10 @@ class Ladder:
     feeds: Dict[Setting, float] = field(default_factory=dict)  # a feed-side change -> its feed alone
     feeds_loop: Dict[Setting, float] = field(default_factory=dict)  # the same, its work on the loop's thread
     steps: Dict[Setting, float] = field(default_factory=dict)  # a step-side change past the graph -> its ceiling
+    decodes_files: bool = False  # the dataset is image files that loader=gpu_decode can decode on this GPU
+    # The job's dataset can be held decoded in one block (the one-block strategies): False where the
+    # ceiling had to be measured on a part of it, or without its per-sample augmentation.
+    holds_block: bool = True
     missing: Dict[str, str] = field(default_factory=dict)  # rung -> why it was not measured
 
     @property
@@ -364,6 +372,7 @@ def _feed_bound(ladder: Ladder, feeding: float) -> str:
 
 # ----------------------------------------------------------------------------- the changes
 STRATEGY_WHY = {"gpu_resident": "the dataset on the device: the step's own ceiling",
+                "gpu_decode": "the image files sent compressed, decoded by nvJPEG on the GPU",
                 "pinned_chunk": "slices of a page-locked chunk, copied on a side stream",
                 "prefetch": "the same DataLoader, copies on a side stream"}
 
@@ -394,9 +403,13 @@ def feed_changes(ladder: Ladder, verdict: Verdict) -> Dict[Setting, str]:
     if verdict.bound == "none":  # rungs that contradict each other predict nothing
         return found
     feeding_matters = math.isfinite(verdict.feeding_costs_ms) and verdict.feeding_costs_ms > eps * t
-    if feeding_matters and ladder.strategy not in ("pinned_chunk", "gpu_resident"):
+    if feeding_matters and ladder.decodes_files and ladder.strategy != "gpu_decode":
+        # An image folder's feed is mostly decoding: done by nvJPEG, it leaves the host's cores free.
+        found[setting(strategy="gpu_decode")] = STRATEGY_WHY["gpu_decode"]
+    if feeding_matters and ladder.holds_block and ladder.strategy not in ("pinned_chunk", "gpu_resident"):
         found[setting(strategy="pinned_chunk")] = STRATEGY_WHY["pinned_chunk"]
-    if ladder.shuffles and ladder.strategy != "gpu_resident" and math.isfinite(ladder.ceiling_eager):
+    if (ladder.shuffles and ladder.holds_block and ladder.strategy != "gpu_resident"
+            and math.isfinite(ladder.ceiling_eager)):
         # Shuffled, the dataset on the device is gathered batch by batch: work on the loop's thread
         # beside an eager step's launches (unshuffled, its batches are the ceiling's own views).
         found[setting(strategy="gpu_resident")] = STRATEGY_WHY["gpu_resident"]
@@ -441,7 +454,8 @@ def reachable(ladder: Ladder, verdict: Verdict) -> List[Change]:
     if verdict.bound == "none":
         return []
     feeds = [(), *ladder.feeds]
-    if ladder.strategy != "gpu_resident" and setting(strategy="gpu_resident") not in ladder.feeds:
+    if (ladder.holds_block and ladder.strategy != "gpu_resident"
+            and setting(strategy="gpu_resident") not in ladder.feeds):
         feeds.append(setting(strategy="gpu_resident"))
     found = []
     for feed in feeds:
@@ -582,6 +596,7 @@ class Advisor:
         self.cfg, self.steps, self.parent_id, self.run_fn, self.log = cfg, steps, parent_id, run_fn, log
         self.cuda = _is_cuda(cfg)  # the rungs run on CUDA
         self.allow = tuple(allow)  # levers that change the training, allowed by the user
+        self.refusal: Optional[ConfigError] = None  # why the last rung not measured was refused
 
     def sized(self, cfg, name: str, window: int = 0):
         """The rung's job: `steps` timed steps after the job's warm-up (one, for a rung that takes a
@@ -603,6 +618,7 @@ class Advisor:
         try:
             summary = self.run_fn(self.sized(cfg, name, window))
         except (ConfigError, RunFailed) as e:
+            self.refusal = e if isinstance(e, ConfigError) else None
             self.log(f"  {name}: not measured ({' '.join(str(e).split())[:300]})")
             return None, " ".join(str(e).split())[:300]
         self.log(f"  {name}: {summary.get('ms_per_step', math.nan):.3f} ms/step ({time.perf_counter() - start:.0f} s)")
@@ -617,9 +633,22 @@ class Advisor:
         ladder = Ladder(configured=configured["ms_per_step"], graphed=bool(OmegaConf.select(cfg, LEVERS["graph"])) and self.cuda,
                         strategy=cfg.loader.name, workers=cfg.loader.num_workers, shuffles=bool(cfg.loader.shuffle),
                         cores=_cores(configured), configured_wait=_wait(configured),
-                        configured_spread=_spread(configured))
+                        configured_spread=_spread(configured),
+                        decodes_files=self.cuda and getattr(DATASETS.get(cfg.dataset.name), "image_files", False))
         ceiling = with_loader(cfg, "gpu_resident", shuffle=False, drop_last=True)  # views of resident data
+        as_read = {key: value for key, value in CEILING_DATASET.items()
+                   if OmegaConf.select(ceiling, key, default=value) != value}
+        if as_read:
+            ladder.holds_block = False
+            ceiling = with_values(ceiling, **as_read)
         eager, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager")
+        if eager is None and isinstance(self.refusal, DoesNotFit) and self.refusal.fits >= cfg.loader.batch_size:
+            # Decoded, the dataset does not fit in one block: the step alone is the same on its first
+            # images (as many as fit), and the one-block strategies are not proposed.
+            ladder.holds_block = False
+            ceiling = with_values(ceiling, **{"dataset.num_samples": self.refusal.fits})
+            eager, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}),
+                                      f"ceiling, eager, the first {self.refusal.fits} samples (all do not fit)")
         if eager is None:
             ladder.missing["ceiling"] = why
         else:
