@@ -37,12 +37,15 @@ report() {  # the latest sweep of each experiment named, one Markdown table afte
   done
 }
 uncache() {  # the folder's files out of the page cache (just written or read, they sit there): "from disk" is from disk
+  # Written first: a folder just generated is still being written back, which would slow the run that reads it.
+  sync
   python -c "import glob, os, sys
 for f in glob.glob(os.path.join(sys.argv[1], '*', '*.jpg')):
     fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)" "$1"
 }
 folder=$(python -m trainer.fake_data --images "$images" --size 224 --root outputs/generated-data | sed -n 's/.* in \(.*\); use them with:/\1/p')
 held=$folder
+sync  # its files written back before the runs, which read them from the page cache
 echo "+ $images JPEGs in $folder ($(du -sh "$folder" | cut -f1)): $(( $(date +%s) - start )) s" >&2
 sweep 110 tracking.experiment=image_decode_gpu "${resnet[@]}" dataset.root="$folder" dataset.read_workers=16 \
   loader=gpu_decode,gpu_resident engine.precision="$precisions"

@@ -3,7 +3,9 @@
 `loader=gpu_decode` calls it) from 1, 2 and 4 host threads, each decoding whole batches on its own
 stream; and NVIDIA's nvImageCodec (`nvidia-nvimgcodec-cu13`, with `nvidia-nvjpeg`), where it is
 installed, with its default backends and with the hardware JPEG decoder only. Wall time over
-`--batches` batches after two of warm-up, the device synchronised at both ends.
+`--batches` batches after two of warm-up, the device synchronised at both ends. And how much of a
+second of Python work another thread gets done while torchvision's decoder runs (1.0: the decoder
+releases the GIL; the loop's thread launches the step's kernels beside it).
 
     python benchmarks/jpeg_decoders.py outputs/generated-data/images-224-8192 --batch 128
 """
@@ -46,6 +48,33 @@ def rate(decode_batch, batches, threads=1):
     return sum(len(b) for b in batches[2:]) / (time.perf_counter() - start)
 
 
+def python_share(decode_batch, batches, seconds=1.0):
+    """Python loop iterations per second on this thread while another decodes without pause,
+    over the same alone."""
+    def spin():
+        n, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            n += 1
+        return n
+
+    alone = spin()
+    stop = threading.Event()
+
+    def decode():
+        while not stop.is_set():
+            for b in batches:
+                decode_batch(b)
+        torch.cuda.synchronize()
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    time.sleep(0.2)
+    beside = spin()
+    stop.set()
+    thread.join()
+    return beside / alone
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folder")
@@ -64,6 +93,8 @@ def main():
             print(f"torchvision decode_jpeg, {threads} thread(s): {rate(torchvision, batches, threads):,.0f} images/s")
         except Exception as e:
             print(f"torchvision decode_jpeg, {threads} thread(s): failed ({type(e).__name__}: {str(e)[:200]})")
+    print(f"Python work on another thread beside torchvision's decoder: {python_share(torchvision, batches[:8]):.2f} "
+          f"of its pace alone")
     try:
         from nvidia import nvimgcodec
     except Exception as e:

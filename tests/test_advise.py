@@ -606,7 +606,7 @@ def image_folder_gpu(cfg) -> dict:
     """A run on a made-up GPU over an image folder whose decoded images do not fit in one block:
     the DataLoader's workers decode a batch in 20 ms, nvJPEG in 6 (0.2 of it on the loop's thread);
     the step fed from the device 8 ms eager, 7 graphed. A one-block strategy on the whole folder is
-    refused as `check_block` refuses it (64 images would fit)."""
+    refused as `check_block` refuses it (64 images would fit: half of them are measured)."""
     loader, graphed = cfg.loader.name, cfg.engine.cuda_graph
     if loader in ("gpu_resident", "pinned_chunk") and (cfg.dataset.num_samples == 0 or cfg.dataset.augment != "none"):
         raise DoesNotFit("dataset=image_folder decoded is 300 MiB, over dataset.max_host_mb=100: use loader=gpu_decode",
@@ -644,9 +644,9 @@ def test_an_image_folder_past_its_memory_gets_gpu_decoding_and_no_one_block_stra
     assert (ladder_.configured, ladder_.ceiling_eager, ladder_.ceiling_graphed) == (28.0, 8.0, 7.0)
     ceiling = [(n, samples, aug) for n, samples, aug in asked if n.startswith("advise: ceiling")]
     assert all(aug == "none" for _, _, aug in ceiling)  # the step alone reads batches of the same shape
-    assert ceiling[:2] == [("advise: ceiling, eager", 0, "none"),  # refused whole: on the first 64 images
-                           ("advise: ceiling, eager, the first 64 samples (all do not fit)", 64, "none")]
-    assert {samples for _, samples, _ in ceiling[1:]} == {64}
+    assert ceiling[:2] == [("advise: ceiling, eager", 0, "none"),  # refused whole: on the first 32 images
+                           ("advise: ceiling, eager, the first 32 samples (all do not fit)", 32, "none")]
+    assert {samples for _, samples, _ in ceiling[1:]} == {32}
     assert result["bound"] == "input" and ladder_.feeds == {setting(strategy="gpu_decode"): 6.0}
     # The eager step is set by its launches: the decoding thread's 0.2 ms on the loop's thread adds to it.
     assert [(c.overrides, round(c.predicted_ms, 3), c.measured_ms) for c in result["changes"]] == [

@@ -143,7 +143,7 @@ def test_a_16_bit_png_is_scaled_to_8_bits_where_pil_clips_it(tmp_path):
 def test_a_pass_left_unfinished_and_close_leave_no_thread_and_a_closed_loader_says_so(tmp_path):
     write_mixed(tmp_path / "images", count=24)
     cfg = job("dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=8", "loader=gpu_decode",
-              "loader.batch_size=2", "loader.depth=1")
+              "loader.batch_size=2", "loader.depth=1", "loader.decoders=3")
     loader = build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"))
     first = iter(loader)
     next(first)  # the decoding thread now waits to hand over the next batch
@@ -254,13 +254,14 @@ def test_crop_flip_flips_about_half_the_images(tmp_path, strategy):
 
 def test_crop_flip_on_gpu_decode_is_the_same_for_the_same_seed(tmp_path):
     """Two gpu_decode loaders of one seed draw the same crops and flips, epoch after epoch (their own
-    generator, not torch's global one, which is drawn from between them); another seed does not."""
+    generator, not torch's global one, which is drawn from between them), with one decoding thread
+    or three taking the batches in turn; another seed does not."""
     write_mixed(tmp_path / "images", count=20)
     folder = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=16", "loader.batch_size=8",
               "dataset.augment=crop_flip", "loader=gpu_decode"]
-    one, _ = passes(job(*folder))
+    one, _ = passes(job(*folder, "loader.decoders=1"))
     torch.rand(100)
-    two, _ = passes(job(*folder))
+    two, _ = passes(job(*folder, "loader.decoders=3"))
     other, _ = passes(job(*folder, "engine.seed=1"))
     assert len(one) == len(two) == 6
     assert all(torch.equal(x, tx) and torch.equal(y, ty) for (x, y), (tx, ty) in zip(one, two))

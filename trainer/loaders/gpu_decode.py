@@ -9,19 +9,23 @@ long as the decoded images fit in memory. This strategy does neither:
   half the host's free memory (counted for every rank of the host: each holds its own), or else
   from disk, batch after batch, `loader.depth` batches ahead. (Not page-locked: nvJPEG parses the
   bytes on the host and stages what it sends in buffers of its own.);
-- one decoding thread, on a side CUDA stream made once, decodes each batch's JPEGs in one call of
+- `loader.decoders` (2) decoding threads, each on a side CUDA stream of its own made once, taking
+  the batches in turn (torchvision's decoder takes one batch at a time, under a lock of its own:
+  while it decodes one thread's batch, the other readies its next and finishes its last), decode
+  each batch's JPEGs in one call of
   torchvision's batched `decode_jpeg(..., device="cuda")` (nvJPEG: the compressed bytes cross the
   link, about a tenth of the pixels), decodes the other files (PNG, ...) on the host and copies
   their pixels (a JPEG nvJPEG refuses, too), resizes every image to `dataset.size` on the device
   (bilinear, antialiased) and makes the batch the float image in [0, 1] the model reads
   (`dataset.on_device`). With `dataset.augment=crop_flip` it crops each decoded image instead
   (a random box, as torchvision's RandomResizedCrop draws it), resizes the crop to `dataset.size`
-  and flips it half the time, from a generator seeded by the loader's seed, the epoch and the
-  rank: a run is reproducible, and each epoch draws anew;
+  and flips it half the time, from a generator seeded by the loader's seed, the epoch, the rank
+  and the batch: a run is reproducible, whatever `loader.decoders`, and each epoch draws anew;
 - the loop's thread waits for nothing but the batch's event: the compute stream waits on it, and
   each batch is `record_stream`-ed on the compute stream before the step reads it (the caching
-  allocator may not hand its memory to a later batch meanwhile). At most `loader.depth` decoded
-  batches wait ahead of the step.
+  allocator may not hand its memory to a later batch meanwhile). Each thread hands its batches
+  over in a queue of its own (`loader.depth` // `loader.decoders` places, at least one), which
+  the loop's thread takes in turn: the batches come in their order.
 
 The batches hold `baseline`'s samples in `baseline`'s order for the same seed, with the same
 labels; the pixels differ from the DataLoader path's (PIL decoding, PIL's resize): the tensor
@@ -31,9 +35,10 @@ docs/image_folders.md). With `dataset.augment=crop_flip` they differ wholly: the
 crops and flips apart from this strategy's generator. On a CPU the same pipeline decodes on the
 host (tagged `degraded=true`).
 
-Figures: `decode_ms_per_batch` (the decoding thread's time per batch, from its files read to the
-batch ready on the device: decoding, resizing, converting; the median over the batches after the
-first, which makes the decoder), `link_bytes_per_image` (what crossed the link per image: the
+Figures: `decode_ms_per_batch` (a decoding thread's time per batch, from its files read to the
+batch ready on the device: decoding, resizing, converting, waiting its turn at the decoder; the
+median over each thread's batches after its first; with two threads a batch is ready about twice
+as often), `link_bytes_per_image` (what crossed the link per image: the
 compressed bytes, or the pixels of a file decoded on the host, and its label; where nvJPEG
 decodes a JPEG in part on the host, it sends more), `gpu_decoded_fraction` (of the images, those
 nvJPEG decoded) and `held_file_mb` (the files' bytes held in host memory; 0: read from disk).
@@ -85,11 +90,13 @@ class GpuDecodeLoader(DeviceLoader):
         name: str = "gpu_decode"
         depth: int = 2  # decoded batches waiting ahead of the step (files read ahead as many batches more)
         threads: int = 8  # host threads reading the files (and, on a CPU, decoding them)
+        decoders: int = 2  # decoding threads, each on a side stream of its own, taking the batches in turn
 
         def __post_init__(self):
             super().__post_init__()
             at_least("loader.depth", self.depth, 1, 2)
             at_least("loader.threads", self.threads, 1, 8)
+            at_least("loader.decoders", self.decoders, 1, 2)
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
@@ -104,14 +111,16 @@ class GpuDecodeLoader(DeviceLoader):
         self.files, self.labels, self.size = dataset.files, dataset.labels, dataset.size
         self.crop_flip = dataset.augment == "crop_flip"
         self.thread_device = self._thread_device()  # resolved here: on a new thread, "cuda" would mean GPU 0
-        self.stream = torch.cuda.Stream(self.device) if self.on_cuda else None  # once per loader
+        # Once per loader: a side stream per decoding thread.
+        self.streams = [torch.cuda.Stream(self.device) if self.on_cuda else None for _ in range(cfg.decoders)]
         self.block: Optional[torch.Tensor] = None  # every file's bytes, end to end, when they are held
         self.offsets: List[int] = []
         self.held_bytes = 0
-        self.decode_s: List[float] = []  # the decoding thread's time per batch
+        self.decode_s: List[float] = []  # a decoding thread's time per batch
         self.images = self.gpu_images = self.link_bytes = 0
-        self.worker: Optional[threading.Thread] = None  # the live pass's decoding thread, its queue and stop
-        self.out: Optional[queue.Queue] = None
+        self.counting = threading.Lock()  # the decoding threads add to the three counts above
+        self.workers: List[threading.Thread] = []  # the live pass's decoding threads, their queues and stop
+        self.outs: List[queue.Queue] = []
         self.stop: Optional[threading.Event] = None
         self.closed = False
         self.epoch = 0
@@ -167,10 +176,11 @@ class GpuDecodeLoader(DeviceLoader):
             image = F.to_dtype(image, torch.uint8, scale=True)
         return image
 
-    def _decode(self, rows: List[int], files: List[tuple], crops: Optional[torch.Generator]) -> tuple:
-        """One batch on the device: `(x, y)`, x float in [0, 1] (B x 3 x size x size); each image
-        resized whole, or with `crops` (the pass's generator) cropped at random and flipped.
-        `files`: each row's `(bytes, is_jpeg)`."""
+    def _decode(self, rows: List[int], files: List[tuple], crops: Optional[torch.Generator],
+                stream: Optional[torch.cuda.Stream] = None) -> tuple:
+        """One batch on the device, on `stream` (the calling thread's, current): `(x, y)`, x float
+        in [0, 1] (B x 3 x size x size); each image resized whole, or with `crops` (the batch's
+        generator) cropped at random and flipped. `files`: each row's `(bytes, is_jpeg)`."""
         size, device = self.size, self.device
         encoded = [data for data, _ in files]
         jpeg = [k for k, (_, is_jpeg) in enumerate(files) if is_jpeg and self.on_cuda]
@@ -183,12 +193,14 @@ class GpuDecodeLoader(DeviceLoader):
         # A copy from pageable memory waits for this stream's work to end: the labels and the images
         # decoded on the host cross first, before nvJPEG's work is queued on the stream.
         y = self.labels[torch.tensor(rows)].to(device, non_blocking=False)
-        on_host([k for k in range(len(rows)) if k not in set(jpeg)])
+        nvjpeg_rows = set(jpeg)
+        on_host([k for k in range(len(rows)) if k not in nvjpeg_rows])
         if jpeg:
             # nvJPEG writes its images on a stream of its own, into memory allocated on this one
             # (the side stream): memory this stream's earlier work may still read, freed by the
             # batch before. Waiting for this stream first leaves nothing in flight to overwrite.
-            self.stream.synchronize()
+            # (Another decoding thread's stream allocates from blocks of its own.)
+            stream.synchronize()
             try:
                 decoded = self._decode_jpeg([encoded[k] for k in jpeg], mode=self._rgb, device=device)
             except torch.OutOfMemoryError:
@@ -196,14 +208,19 @@ class GpuDecodeLoader(DeviceLoader):
             except RuntimeError as e:  # a JPEG nvJPEG will not take (its chroma subsampling, say): all on the host
                 if "out of memory" in str(e):
                     raise torch.OutOfMemoryError(str(e)) from e
+                # nvJPEG's own stream may still write what it allocated here before it failed.
+                torch.cuda.synchronize(device)
                 on_host(jpeg)
                 jpeg, decoded = [], []
             for k, image in zip(jpeg, decoded):
                 pictures[k] = image
-        others = [k for k in range(len(rows)) if k not in set(jpeg)]
-        self.images += len(rows)
-        self.gpu_images += len(jpeg)
-        self.link_bytes += sum(encoded[k].numel() for k in jpeg) + sum(pictures[k].nbytes for k in others) + 8 * len(rows)
+        by_nvjpeg = set(jpeg)
+        others = [k for k in range(len(rows)) if k not in by_nvjpeg]
+        sent = sum(encoded[k].numel() for k in jpeg) + sum(pictures[k].nbytes for k in others) + 8 * len(rows)
+        with self.counting:
+            self.images += len(rows)
+            self.gpu_images += len(jpeg)
+            self.link_bytes += sent
         if crops is not None:
             x = torch.empty((len(rows), 3, size, size), dtype=torch.uint8, device=device)
             # Every crop has its own size, so one resize per image: a few small kernels each where
@@ -222,7 +239,7 @@ class GpuDecodeLoader(DeviceLoader):
                     group = _resize(group, size)
                 if x is None:  # one size: the batch itself
                     x = group
-                else:  # (non_blocking: the index is staged at once, without waiting for the decode)
+                else:  # (a pageable source, staged before the call returns: freeing it is safe)
                     x[torch.tensor(ks).to(device, non_blocking=True)] = group
         return self.dataset.on_device(x), y
 
@@ -240,38 +257,45 @@ class GpuDecodeLoader(DeviceLoader):
         return RunFailed(f"loader=gpu_decode could not decode a batch of {self.files[rows[0]]} and {len(rows) - 1} more "
                          f"({type(error).__name__}: {' '.join(str(error).split())[:200]}): try loader=prefetch")
 
-    def _run(self, batches: List[List[int]], out: queue.Queue, stop: threading.Event,
-             crops: Optional[torch.Generator]) -> None:
-        """The decoding thread of one pass: each batch's files (read by the pool, one task per
-        file, `depth` batches ahead), decoded (and cropped, with `crops`) on the side stream and
-        waited for there, its event recorded, handed to the loop's thread. Ends at `stop`, or with
-        its error handed over."""
+    def _run(self, first: int, batches: List[List[int]], out: queue.Queue, stop: threading.Event,
+             crop_seed: int) -> None:
+        """A decoding thread of one pass: batches `first`, `first + decoders`, ... of `batches`, each
+        one's files read by the pool (one task per file, `depth` of this thread's batches ahead),
+        decoded (and cropped, with `dataset.augment=crop_flip`) on this thread's side stream and
+        waited for there, its event recorded, handed over in `out`. Ends at `stop`, or with its
+        error handed over. (torchvision's decoder takes one batch at a time, under its own lock:
+        meanwhile the other thread readies its next batch and finishes its last.)"""
+        mine = list(range(first, len(batches), len(self.streams)))
+        stream = self.streams[first]
         reads: List[Optional[list]] = []
         try:
             if self.on_cuda:
                 torch.cuda.set_device(self.thread_device)
             ahead = self.cfg.depth
-            reads = [[self.pool.submit(self._file, i) for i in rows] for rows in batches[:ahead]]
-            for b, rows in enumerate(batches):
+            reads = [[self.pool.submit(self._file, i) for i in batches[b]] for b in mine[:ahead]]
+            for n, b in enumerate(mine):
                 if stop.is_set():
                     break
-                if b + ahead < len(batches):
-                    reads.append([self.pool.submit(self._file, i) for i in batches[b + ahead]])
-                files = [f.result() for f in reads[b]]
-                reads[b] = None
+                if n + ahead < len(mine):
+                    reads.append([self.pool.submit(self._file, i) for i in batches[mine[n + ahead]]])
+                files = [f.result() for f in reads[n]]
+                reads[n] = None
+                rows = batches[b]
+                # The crops of batch b, whichever thread decodes it: the same seed, the same crops.
+                crops = torch.Generator().manual_seed((crop_seed + b) % 2**64) if self.crop_flip else None
                 begin = time.perf_counter()
                 try:
-                    if self.stream is None:
+                    if stream is None:
                         batch, done = self._decode(rows, files, crops), None
                     else:
                         done = torch.cuda.Event()
-                        with torch.cuda.stream(self.stream):
-                            batch = self._decode(rows, files, crops)
-                            done.record(self.stream)
+                        with torch.cuda.stream(stream):
+                            batch = self._decode(rows, files, crops, stream)
+                            done.record(stream)
                         done.synchronize()  # this thread's own wait: the loop's thread waits for nothing
                 except Exception as e:
                     raise self._named(rows, e) from e
-                if b:  # the first batch makes the decoder
+                if n:  # a thread's first batch may make the decoder
                     self.decode_s.append(time.perf_counter() - begin)
                 while not stop.is_set():
                     try:
@@ -293,25 +317,31 @@ class GpuDecodeLoader(DeviceLoader):
             raise RuntimeError("loader=gpu_decode is closed: build a new loader to iterate again")
         self._end_pass()  # a pass left unfinished (a loop that broke out of it) ends here
         order = self._epoch_rows(self.epoch).tolist()
-        # Drawn only by this pass's decoding thread, in batch order: the same seed, the same crops.
-        crops = torch.Generator().manual_seed(_crop_seed(self.seed, self.epoch, self.shard)) if self.crop_flip else None
+        crop_seed = _crop_seed(self.seed, self.epoch, self.shard)  # batch b's crops: this + b
         self.epoch += 1
         b = self.cfg.batch_size
         batches = [order[i:i + b] for i in range(0, len(order), b)]
-        out, stop = queue.Queue(maxsize=self.cfg.depth), threading.Event()
-        worker = threading.Thread(target=self._run, args=(batches, out, stop, crops), name="gpu-decode", daemon=True)
-        self.worker, self.out, self.stop = worker, out, stop
-        worker.start()
+        decoders = len(self.streams)
+        # Each thread hands over in its own queue, taken in turn: the batches come in their order.
+        outs = [queue.Queue(maxsize=max(1, self.cfg.depth // decoders)) for _ in range(decoders)]
+        stop = threading.Event()
+        workers = [threading.Thread(target=self._run, args=(k, batches, outs[k], stop, crop_seed), name=f"gpu-decode-{k}",
+                                    daemon=True) for k in range(decoders)]
+        self.workers, self.outs, self.stop = workers, outs, stop
+        for worker in workers:
+            worker.start()
         compute = torch.cuda.current_stream(self.device) if self.on_cuda else None
         try:
-            while True:
-                try:
-                    item = out.get(timeout=0.1)
-                except queue.Empty:
-                    if not worker.is_alive() and out.empty():
-                        raise RuntimeError("loader=gpu_decode's decoding thread ended without a word") from None
-                    continue
-                if item is _DONE:
+            for b in range(len(batches)):
+                worker, out = workers[b % decoders], outs[b % decoders]
+                while True:
+                    try:
+                        item = out.get(timeout=0.1)
+                        break
+                    except queue.Empty:
+                        if not worker.is_alive() and out.empty():
+                            raise RuntimeError("loader=gpu_decode's decoding thread ended without a word") from None
+                if item is _DONE:  # (a thread stopped short: only at a stop, which ends the pass)
                     return
                 if isinstance(item, BaseException):
                     raise item
@@ -322,29 +352,30 @@ class GpuDecodeLoader(DeviceLoader):
                         t.record_stream(compute)
                 yield batch
         finally:
-            if self.worker is worker:
+            if self.workers is workers:
                 self._end_pass()
             else:  # a newer pass ended this one already
                 stop.set()
 
     def _end_pass(self) -> None:
-        """Stop the live pass's decoding thread and wait until it has exited (it may be waiting to
-        hand over a batch). An interrupt meanwhile is raised once it has: a thread left running
-        would go on decoding into the next pass's time."""
-        worker, out, stop = self.worker, self.out, self.stop
-        if worker is None:
+        """Stop the live pass's decoding threads and wait until they have exited (one may be waiting
+        to hand over a batch). An interrupt meanwhile is raised once they have: a thread left
+        running would go on decoding into the next pass's time."""
+        workers, outs, stop = self.workers, self.outs, self.stop
+        if not workers:
             return
         stop.set()
         interrupt = None
-        while worker.is_alive() and worker is not threading.current_thread():
-            try:
+        for worker, out in zip(workers, outs):
+            while worker.is_alive() and worker is not threading.current_thread():
                 try:
-                    out.get(timeout=0.05)
-                except queue.Empty:
-                    pass
-            except BaseException as e:  # Ctrl-C or a stop signal: join first
-                interrupt = interrupt or e
-        self.worker = self.out = self.stop = None
+                    try:
+                        out.get(timeout=0.05)
+                    except queue.Empty:
+                        pass
+                except BaseException as e:  # Ctrl-C or a stop signal: join first
+                    interrupt = interrupt or e
+        self.workers, self.outs, self.stop = [], [], None
         if interrupt is not None:
             raise interrupt
 

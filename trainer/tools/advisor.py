@@ -642,13 +642,15 @@ class Advisor:
             ladder.holds_block = False
             ceiling = with_values(ceiling, **as_read)
         eager, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager")
-        if eager is None and isinstance(self.refusal, DoesNotFit) and self.refusal.fits >= cfg.loader.batch_size:
-            # Decoded, the dataset does not fit in one block: the step alone is the same on its first
-            # images (as many as fit), and the one-block strategies are not proposed.
+        # Decoded, the dataset does not fit in one block: the step alone is the same on its first
+        # images, and the one-block strategies are not proposed. Half of what fits, at most 64
+        # batches: the host keeps room, and the block must fit the GPU too.
+        part = min(self.refusal.fits // 2, 64 * cfg.loader.batch_size) if isinstance(self.refusal, DoesNotFit) else 0
+        if eager is None and part >= cfg.loader.batch_size:
             ladder.holds_block = False
-            ceiling = with_values(ceiling, **{"dataset.num_samples": self.refusal.fits})
+            ceiling = with_values(ceiling, **{"dataset.num_samples": part})
             eager, why = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}),
-                                      f"ceiling, eager, the first {self.refusal.fits} samples (all do not fit)")
+                                      f"ceiling, eager, the first {part} samples (all do not fit)")
         if eager is None:
             ladder.missing["ceiling"] = why
         else:
