@@ -284,6 +284,30 @@ def test_gpu_decodes_crop_boxes_are_torchvisions_drawn_from_its_own_generator():
             assert _crop_box(height, width, torch.Generator().manual_seed(seed)) == expected
 
 
+def test_the_crops_of_a_batch_are_resized_together_as_resize_would_one_by_one():
+    """The batch's crops, resized in one call (roi_align, an area filter), against each crop resized
+    alone by torchvision's antialiased resize, on smooth images of two sizes: the same boxes and
+    flips (drawn in the images' order), the same pixels within a level of 255 (on noise, whose
+    detail the two filters weigh apart, they differ by 6.6 levels on average)."""
+    from torchvision.transforms.v2 import functional as F
+    from trainer.loaders.gpu_decode import _crop_box, _crops_flipped
+
+    def smooth(h, w):
+        y, x = torch.meshgrid(torch.linspace(0, 1, h), torch.linspace(0, 1, w), indexing="ij")
+        return (torch.stack([x, y, (x + y) / 2]) * 255).round().to(torch.uint8)
+
+    pictures = [smooth(90, 120) if k % 3 else smooth(64, 48) for k in range(12)]
+    batch = _crops_flipped(pictures, 32, torch.Generator().manual_seed(7))
+    draws, flips = torch.Generator().manual_seed(7), 0
+    for image, got in zip(pictures, batch):
+        top, left, h, w = _crop_box(image.shape[1], image.shape[2], draws)
+        expected = F.resize(image[None, :, top:top + h, left:left + w], [32, 32], antialias=True)[0]
+        if torch.rand(1, generator=draws).item() < 0.5:
+            expected, flips = expected.flip(-1), flips + 1
+        assert (got.int() - expected.int()).abs().max() <= 1
+    assert 0 < flips < 12
+
+
 def test_crop_flip_is_refused_by_a_one_block_strategy(tmp_path):
     write_mixed(tmp_path / "images", count=8)
     folder = ["dataset=image_folder", f"dataset.root={tmp_path / 'images'}", "dataset.size=16", "loader.batch_size=4",
