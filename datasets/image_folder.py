@@ -27,6 +27,7 @@ once, refuse it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,6 +125,16 @@ class ImageFolderDataset(SampleDataset):
                          f"(it decodes each batch from the files, streamed from disk when they do not fit either) "
                          f"or a DataLoader strategy (loader=baseline, pinned or prefetch)",
                          fits=int(room // (3 * self.size * self.size)))
+
+    def host_decode_ms(self, count: int = 32) -> float:
+        """ms to decode one image on the host as the DataLoader strategies' workers do it (PIL:
+        decoded, resized or cropped, made a tensor), on the calling thread's core: the mean over
+        the first `count` images (their files likely in the page cache: decoding, not reading)."""
+        n = min(count, len(self))
+        start = time.perf_counter()
+        for i in range(n):
+            self.served[i]
+        return (time.perf_counter() - start) * 1e3 / n if n else float("nan")
 
     def per_sample(self) -> torch.utils.data.Dataset:
         # Every image comes out 3 x size x size (RGB, resized or cropped to size): nothing for the

@@ -105,6 +105,26 @@ def test_a_folder_larger_than_max_host_mb_streams_and_trains(tmp_path, runs, tra
         assert refused.value.fits == 102  # 0.3 MiB holds 102 images of 3 KiB: the advisor's ceiling reads those
 
 
+@pytest.mark.parametrize("strategy, where", [
+    ("baseline", "host, every epoch (the loop's process)"), ("prefetch", "host, every epoch (2 DataLoader workers)"),
+    ("pinned_chunk", "host, once at setup"), ("gpu_decode", "host, every epoch (the strategy's threads)")])
+def test_every_image_run_says_where_its_pixels_were_decoded_and_what_one_costs_the_host(tmp_path, runs, tracking_uri,
+                                                                                        strategy, where):
+    """An image folder's run, whatever its strategy: the tag `pixels_decoded`, and the host's time to
+    decode one image as the DataLoader's workers do (on a CPU no link, so no link bytes); other
+    datasets have neither."""
+    folder = write_image_folder(tmp_path, 48, size=32)
+    workers = ["loader.num_workers=2"] if strategy == "prefetch" else []
+    summary = run(job("dataset=image_folder", f"dataset.root={folder}", "dataset.size=16", f"loader={strategy}",
+                      *workers, "loader.batch_size=8", "engine.max_steps=6", f"tracking.uri={tracking_uri}"))
+    (r,) = runs()
+    assert r.data.tags["pixels_decoded"] == where
+    assert 0 < summary["host_decode_ms_per_image"] < 1000 and "link_bytes_per_image" not in summary
+    other = run(job("loader=baseline", "dataset.num_samples=32", "dataset.shape=[4,4]", "loader.batch_size=8",
+                    "engine.max_steps=4", f"tracking.uri={tracking_uri}", "tracking.experiment=synthetic"))
+    assert "host_decode_ms_per_image" not in other
+
+
 def test_gpu_decode_needs_an_image_folder():
     with pytest.raises(ConfigError, match=r"^loader=gpu_decode decodes image files and dataset=synthetic has none: "
                                           r"use dataset=image_folder"):

@@ -197,7 +197,7 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         if cfg.engine.compile == "reduce-overhead" and device.type != "cuda":  # its CUDA graphs are its whole point
             degraded.append("engine.compile=reduce-overhead")
         tracker.set_tags({"degraded": str(bool(degraded)).lower(), "cuda_graph": str(graphed).lower(),
-                          "compile": cfg.engine.compile})
+                          "compile": cfg.engine.compile, **decoded_where(loader)})
         if degraded:
             print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
         with ranks.agree():
@@ -284,6 +284,7 @@ def record(parts: Parts, tracker, ranks: Ranks, error: Optional[BaseException], 
     try:
         if error is None:  # after a failure: save, don't probe, and no collective with the other ranks
             summary.update(ranks.ceilings(lambda: ceilings(meter, parts.device), meter.batch_bytes))
+            summary.update({k: v for k, v in image_figures(parts.loader, meter.batch_bytes).items() if k not in summary})
             summary.update(ranks.exchange(parts.model))  # several GPUs: what DDP's all-reduce costs a step
             summary, verified = ranks.combine(summary, result.rows, verified, tracker)  # several ranks: on rank 0
     finally:
@@ -391,6 +392,34 @@ def warn_compile_timed(compile: str, warmup: int, graphs: bool) -> None:
         work = "compiles the step at the first step" + (" and records its CUDA graphs at the second" if needed == 2 else "")
         print(f"warning: engine.compile={compile} {work}, and engine.warmup_steps={warmup} leaves that in the timed "
               f"steps (compile_s says how long it took): set engine.warmup_steps={max(needed, 5)}", file=sys.stderr)
+
+
+def decoded_where(loader) -> dict:
+    """An image folder's run: the tag `pixels_decoded`, where its images are decoded ({} for other data)."""
+    if not getattr(loader.dataset, "image_files", False):
+        return {}
+    if loader.reads_files:  # gpu_decode: its JPEGs by nvJPEG (`gpu_decoded_fraction`), on a CPU its host path
+        where = "gpu, every epoch" if loader.on_cuda else "host, every epoch (the strategy's threads)"
+    elif loader.per_sample:
+        workers = getattr(loader.cfg, "num_workers", 0)
+        where = f"host, every epoch ({workers} DataLoader workers)" if workers else "host, every epoch (the loop's process)"
+    else:
+        where = "host, once at setup"
+    return {"pixels_decoded": where}
+
+
+def image_figures(loader, batch_bytes: int) -> dict:
+    """An image folder's run, after the loop: decoding one image on the host as the DataLoader's
+    workers do (`host_decode_ms_per_image`, on one core), and what crossed the link per image in the
+    timed steps (`link_bytes_per_image`: a full batch's copies over its images; 0 for batches already
+    on the device). `gpu_decode` counts its own link bytes (the compressed files)."""
+    dataset = loader.dataset
+    if not getattr(dataset, "image_files", False):
+        return {}
+    out = {"host_decode_ms_per_image": dataset.host_decode_ms()}
+    if loader.on_cuda:
+        out["link_bytes_per_image"] = batch_bytes / loader.cfg.batch_size
+    return out
 
 
 def ceilings(meter: StepMeter, device: torch.device) -> dict:

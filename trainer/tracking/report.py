@@ -45,9 +45,11 @@ PLAIN = ("plain_ms_per_step", "engine_vs_plain")
 # Shown after `h2d_GBps` when some job has it (CUDA runs that copy): the same transfer timed alone
 # from a reused pinned buffer after the loop, the ceiling to read `h2d_GBps` against.
 PEAK = "h2d_peak_pinned_GBps"
-# Shown only when some job has them: image folders decoded on the GPU (`loader=gpu_decode`).
-IMAGES = ("decode_ms_per_batch", "link_bytes_per_image", "gpu_decoded_fraction")
-FORMATS = {"decode_ms_per_batch": "{:.2f}", "link_bytes_per_image": "{:.0f}", "gpu_decoded_fraction": "{:.2f}",
+# Shown only when some job has them: image folders (`dataset=image_folder`; the first and the last,
+# decoded on the GPU by `loader=gpu_decode`).
+IMAGES = ("decode_ms_per_batch", "host_decode_ms_per_image", "link_bytes_per_image", "gpu_decoded_fraction")
+FORMATS = {"decode_ms_per_batch": "{:.2f}", "host_decode_ms_per_image": "{:.2f}", "link_bytes_per_image": "{:.0f}",
+           "gpu_decoded_fraction": "{:.2f}",
            "throughput_samples_per_s": "{:.1f}", "speedup_vs_baseline": "{:.2f}", "ms_per_step": "{:.3f}",
            "ms_per_step_ci95": "±{:.3f}",
            "compute_stream_span_fraction": "{:.3f}", "data_wait_fraction": "{:.3f}", "h2d_GBps": "{:.2f}",
