@@ -288,6 +288,15 @@ def test_crop_flip_on_gpu_decode_is_the_same_for_the_same_seed(tmp_path):
     assert not torch.equal(torch.cat([x for x, _ in one]), torch.cat([x for x, _ in other]))
 
 
+def test_every_batch_of_every_epoch_and_rank_draws_its_crops_from_a_seed_of_its_own():
+    """The crop seeds of neighbouring epochs, ranks and batches (whose sums coincide: epoch 1's batch
+    0 and epoch 0's batch 1) are all apart, in the low 32 bits the CPU generator reads as well."""
+    from trainer.loaders.gpu_decode import _mixed
+
+    seeds = [_mixed(_mixed(0, epoch, 2, rank), batch) for epoch in range(4) for rank in range(2) for batch in range(64)]
+    assert len(set(seeds)) == len({s & 0xFFFFFFFF for s in seeds}) == 4 * 2 * 64
+
+
 def test_gpu_decodes_crop_boxes_are_torchvisions_drawn_from_its_own_generator():
     """The box gpu_decode crops is the one torchvision's RandomResizedCrop (the DataLoader path's)
     draws from the same RNG state: on images where a box fits at once, and on ones so narrow that

@@ -73,8 +73,9 @@ warnings.filterwarnings("ignore", message="The image decoding and encoding capab
                         category=DeprecationWarning)
 _DONE = object()  # the decoding thread's last item of a pass
 CROP_LOG_RATIO = torch.log(torch.tensor(CROP_RATIO)).tolist()  # in float32, as torchvision takes it: the same boxes
-# Mixed into the crop draws' seed, so that they do not start from the epoch order's seed (`epoch_order`).
+# The crop draws' seeds start from it, so that they are not the epoch order's seed (`epoch_order`).
 CROP_SEED_SALT = 0x9E3779B97F4A7C15
+CROP_CHUNK_BYTES = 256 * 2**20  # the decoded images `_crops_flipped` makes float at once (large photos: a few)
 
 
 @LOADERS.register
@@ -277,7 +278,7 @@ class GpuDecodeLoader(DeviceLoader):
                 reads[n] = None
                 rows = batches[b]
                 # The crops of batch b, whichever thread decodes it: the same seed, the same crops.
-                crops = torch.Generator().manual_seed((crop_seed + b) % 2**64) if self.crop_flip else None
+                crops = torch.Generator().manual_seed(_mixed(crop_seed, b)) if self.crop_flip else None
                 begin = time.perf_counter()
                 try:
                     if stream is None:
@@ -312,7 +313,7 @@ class GpuDecodeLoader(DeviceLoader):
             raise RuntimeError("loader=gpu_decode is closed: build a new loader to iterate again")
         self._end_pass()  # a pass left unfinished (a loop that broke out of it) ends here
         order = self._epoch_rows(self.epoch).tolist()
-        crop_seed = _crop_seed(self.seed, self.epoch, self.shard)  # batch b's crops: this + b
+        crop_seed = _mixed(self.seed, self.epoch, self.shard.world_size, self.shard.rank)  # batch b's: mixed with b
         self.epoch += 1
         b = self.cfg.batch_size
         batches = [order[i:i + b] for i in range(0, len(order), b)]
@@ -403,9 +404,16 @@ def _resize(images: torch.Tensor, size: int) -> torch.Tensor:
     return F.resize(images, [size, size], antialias=True)
 
 
-def _crop_seed(seed: int, epoch: int, shard: Shard) -> int:
-    """The seed of one pass's crop draws on one rank: its own for each epoch and rank."""
-    return (((seed * 1_000_003 + epoch) * shard.world_size + shard.rank) % 2**64) ^ CROP_SEED_SALT
+def _mixed(*values: int) -> int:
+    """A seed of its own for each tuple of values (the run's seed, the epoch, the ranks, the batch):
+    each value folded in by SplitMix64's finaliser, so that neighbouring tuples, whose sums or
+    low bits would coincide, give unrelated seeds (the CPU generator reads its seed's low 32 bits)."""
+    mask, h = 2**64 - 1, CROP_SEED_SALT
+    for value in values:
+        h = (h ^ (value & mask)) * 0xBF58476D1CE4E5B9 & mask
+        h = (h ^ (h >> 27)) * 0x94D049BB133111EB & mask
+        h ^= h >> 31
+    return h
 
 
 def _crop_box(height: int, width: int, generator: torch.Generator) -> tuple:
@@ -452,7 +460,11 @@ def _crops_flipped(pictures: List[torch.Tensor], size: int, generator: torch.Gen
     by_shape = {}
     for k, image in enumerate(pictures):
         by_shape.setdefault(tuple(image.shape[1:]), []).append(k)
-    for ks in by_shape.values():
+    groups = []
+    for (height, width), ks in by_shape.items():  # as floats, at most CROP_CHUNK_BYTES of images at once
+        step = max(1, CROP_CHUNK_BYTES // (3 * height * width * 4))
+        groups += [ks[i:i + step] for i in range(0, len(ks), step)]
+    for ks in groups:
         images = torch.stack([pictures[k] for k in ks]).float()
         # (index in `images`, x1, y1, x2, y2) in pixel edges: aligned=True reads pixel i as [i, i+1).
         rois = torch.tensor([(n, *boxes[k]) for n, k in enumerate(ks)], dtype=torch.float32).to(device, non_blocking=True)
