@@ -195,7 +195,8 @@ class GpuDecodeLoader(DeviceLoader):
         # decoded on the host cross first, before nvJPEG's work is queued on the stream.
         y = self.labels[torch.tensor(rows)].to(device, non_blocking=False)
         nvjpeg_rows = set(jpeg)
-        on_host([k for k in range(len(rows)) if k not in nvjpeg_rows])
+        others = [k for k in range(len(rows)) if k not in nvjpeg_rows]
+        on_host(others)
         if jpeg:
             # nvJPEG writes its images on a stream of its own, into memory allocated on this one
             # (the side stream): memory this stream's earlier work may still read, freed by the
@@ -212,11 +213,9 @@ class GpuDecodeLoader(DeviceLoader):
                 # nvJPEG's own stream may still write what it allocated here before it failed.
                 torch.cuda.synchronize(device)
                 on_host(jpeg)
-                jpeg, decoded = [], []
+                others, jpeg, decoded = others + jpeg, [], []
             for k, image in zip(jpeg, decoded):
                 pictures[k] = image
-        by_nvjpeg = set(jpeg)
-        others = [k for k in range(len(rows)) if k not in by_nvjpeg]
         sent = sum(encoded[k].numel() for k in jpeg) + sum(pictures[k].nbytes for k in others) + 8 * len(rows)
         with self.counting:
             self.images += len(rows)
