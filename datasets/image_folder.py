@@ -35,7 +35,7 @@ import torch
 
 from datasets.base import DATASETS, DatasetConfig, to_unit_float
 from datasets.samples import Guarded, SampleDataset
-from trainer.errors import ConfigError, DoesNotFit, at_least
+from trainer.errors import ConfigError, DoesNotFit, at_least, one_of
 from trainer.memory import host_available_bytes
 
 BATCH_DTYPES = ("float32", "uint8")
@@ -69,12 +69,8 @@ class ImageFolderDataset(SampleDataset):
             at_least("dataset.num_samples", self.num_samples, 0, "0 (all the images)")
             at_least("dataset.read_workers", self.read_workers, 0, 0)
             at_least("dataset.max_host_mb", self.max_host_mb, 0, "0 (no limit)")
-            if self.batch_dtype not in BATCH_DTYPES:
-                raise ConfigError(f"dataset.batch_dtype must be one of {', '.join(BATCH_DTYPES)} (got {self.batch_dtype!r}): "
-                                  f"set dataset.batch_dtype=uint8 (made float on the device) or float32")
-            if self.augment not in AUGMENTS:
-                raise ConfigError(f"dataset.augment must be one of {', '.join(AUGMENTS)} (got {self.augment!r}): "
-                                  f"set dataset.augment=crop_flip (random crop and flip) or none")
+            one_of("dataset.batch_dtype", self.batch_dtype, BATCH_DTYPES, "uint8 (made float on the device) or float32")
+            one_of("dataset.augment", self.augment, AUGMENTS, "crop_flip (random crop and flip) or none")
 
     def __init__(self, cfg: Config):
         from torchvision import datasets, transforms  # a second of imports: only when this dataset is used

@@ -26,7 +26,7 @@ from typing import Any, Iterable, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from trainer.errors import ConfigError, at_least
+from trainer.errors import ConfigError, at_least, one_of
 from trainer.launch import launch_time
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent  # a checkout's root (site-packages once installed)
@@ -183,12 +183,8 @@ class OptimizerConfig:
     impl: str = "default"  # default | for-loop | foreach | fused: the update's implementation (default: torch's choice)
 
     def __post_init__(self):
-        if self.name not in OPTIMIZERS:
-            raise ConfigError(f"engine.optimizer.name must be one of {', '.join(OPTIMIZERS)} (got {self.name!r}): "
-                              f"set engine.optimizer.name=adam")
-        if self.impl not in OPTIMIZER_IMPLS:
-            raise ConfigError(f"engine.optimizer.impl must be one of {', '.join(OPTIMIZER_IMPLS)} (got {self.impl!r}): "
-                              f"set engine.optimizer.impl=fused")
+        one_of("engine.optimizer.name", self.name, OPTIMIZERS, "adam")
+        one_of("engine.optimizer.impl", self.impl, OPTIMIZER_IMPLS, "fused")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"engine.optimizer.lr must be a finite number > 0 (got {self.lr}): set engine.optimizer.lr=0.001")
 
@@ -239,23 +235,17 @@ class EngineConfig:
         if not 0 < self.gpu_memory_fraction <= 1:
             raise ConfigError(f"engine.gpu_memory_fraction must be above 0 and at most 1 (got {self.gpu_memory_fraction:g}): "
                               f"set engine.gpu_memory_fraction=1.0 (the whole GPU) or a share such as 0.25")
-        if self.objective not in OBJECTIVES:
-            raise ConfigError(f"engine.objective must be one of {', '.join(OBJECTIVES)} (got {self.objective!r}): "
-                              f"set engine.objective=throughput_samples_per_s")
+        one_of("engine.objective", self.objective, OBJECTIVES, "throughput_samples_per_s")
         # seeds torch's generators, directly and as `seed * 1_000_003 + epoch` (the loaders' shuffles):
         # within 32 bits both fit torch's 64-bit seeds
         if not 0 <= self.seed < 2**32:
             raise ConfigError(f"engine.seed must be from 0 to {2**32 - 1} (got {self.seed}): set engine.seed=0")
-        if self.loop not in LOOPS:
-            raise ConfigError(f"engine.loop must be one of {', '.join(LOOPS)} (got {self.loop!r}): set engine.loop=feedbench")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"engine.precision must be one of {', '.join(PRECISIONS)} (got {self.precision!r}): "
-                              f"set engine.precision=fp32")
+        one_of("engine.loop", self.loop, LOOPS, "feedbench")
+        one_of("engine.precision", self.precision, PRECISIONS, "fp32")
         if self.precision == "fp16" and self.cuda_graph:
             raise ConfigError(FP16_GRAPH_REFUSED)
-        if self.compile not in COMPILE_MODES:
-            raise ConfigError(f"engine.compile must be one of {', '.join(COMPILE_MODES)} (got {self.compile!r}): "
-                              f"set engine.compile=default (torch.compile's default mode), or engine.compile=off")
+        one_of("engine.compile", self.compile, COMPILE_MODES,
+               "default (torch.compile's default mode), or engine.compile=off")
         if self.compile != "off" and self.cuda_graph:
             # Capturing a compiled step by hand is fragile (its code is compiled and autotuned at the first
             # calls, which a capture must not run), and torch.compile records CUDA graphs itself.

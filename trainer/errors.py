@@ -33,6 +33,12 @@ class DoesNotFit(ConfigError):
         self.fits = fits
 
 
+def one_of(key: str, value, choices, fix) -> None:
+    """`key` must be one of `choices`; `fix`: what to set it to (a value, or words naming some)."""
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)} (got {value!r}): set {key}={fix}")
+
+
 def at_least(key: str, value, low, fix) -> None:
     """`key` must be >= `low`; `fix` is a value that works."""
     if value < low:

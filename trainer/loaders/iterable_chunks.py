@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, one_of
 from trainer.loaders.base import LOADERS, DeviceLoader, LoaderConfig
 from trainer.loaders.order import Shard
 from trainer.memory import check_host_fits, host_buffer_bytes
@@ -50,9 +50,7 @@ class IterableChunksLoader(DeviceLoader):
 
         def __post_init__(self):
             super().__post_init__()
-            if self.variant not in VARIANTS:
-                raise ConfigError(f"loader.variant must be one of {', '.join(VARIANTS)} (got {self.variant!r}): "
-                                  f"set loader.variant=pin_batches")
+            one_of("loader.variant", self.variant, VARIANTS, "pin_batches")
 
     def __init__(self, cfg, dataset, device, seed=0, shard=Shard()):
         super().__init__(cfg, dataset, device, seed, shard)
