@@ -7,7 +7,7 @@
 #   DataLoader; and a torchvision resnet18 on CIFAR-10 fed by `pinned` (batch 64, no workers).
 # MNIST and CIFAR-10 are files of random pixels (`trainer.fake_data`): no download.
 # All eight run in one process (benchmarks/advisor_table.py), each under its own time limit, none
-# started past 325 s (340 s, less 15 for its start): on an H200 they took 14-73 s each, about 330 s in all (docs/advisor.md), so
+# started past 325 s (340 s, less 15 for its start): on an H200 they took 10-57 s each, 275 s in all (docs/advisor.md), so
 # a slower host may see the last one stopped at the deadline; the table and the total come before 6 minutes.
 #   bash benchmarks/advisor.sh                  # the eight advisors and the table
 #   bash benchmarks/advisor.sh --sweep          # instead: the exhaustive sweep of every workload

@@ -26,7 +26,7 @@ WORKLOADS: List[Tuple[str, int, int, List[str]]] = [
     # The preset's warm-up is its whole first epoch (938 steps): 50 are enough for the rungs.
     ("MNIST MLP, baseline, 0 workers", 40, 100,
      ["experiment=mnist_mlp", "loader=baseline", "loader.num_workers=0", "engine.warmup_steps=50", *VISION]),
-    ("CIFAR-10 resnet18, pinned, 0 workers", 70, 100,
+    ("CIFAR-10 resnet18, pinned, 0 workers", 80, 100,
      ["dataset=cifar10", "dataset.verify_md5=false", "model=torchvision", "model.arch=resnet18", "loader=pinned",
       "loader.batch_size=64", "loader.num_workers=0", "engine.warmup_steps=50", *VISION]),
     # 64 workers start anew at each of the reference workload's 15-batch epochs: fewer steps a rung,

@@ -237,6 +237,78 @@ def test_the_best_configuration_follows_the_bounds_down():
     assert top.overrides == ["engine.cuda_graph=true"] and top.chain == ["launch", "compute"]
 
 
+def test_a_graphed_step_adds_its_replay_to_the_feeds_work_on_the_loops_thread():
+    """The MNIST MLP on an H200: its graphed step takes the device 0.154 ms, a shuffled gather on
+    the device 0.156 (all on the loop's thread, a no-op step's 0.020 in it); replaying the graph
+    takes that thread 0.035. Together they ran at 0.180: the feed's work and the replay take turns
+    on the thread, where max(step, feed) says 0.156. A step whose device time is longer hides them."""
+    gather = setting(strategy="gpu_resident")
+    found = ladder(configured=9.3, ceiling_eager=1.33, ceiling_graphed=0.154, feed=9.28, feed_loop=9.27, shuffles=True,
+                   graphed_host_step=0.0345, feed_host_step=0.0777, feeds={gather: 0.156}, feeds_loop={gather: 0.156},
+                   feeds_host_step={gather: 0.0199})
+    # each feed's own no-op step is in its ms/step already: the configured `baseline` one takes longer
+    assert advisor.graph_launch_ms(found, True, gather) == pytest.approx(0.0146)
+    assert advisor.graph_launch_ms(found, True) == 0.0 and advisor.graph_launch_ms(found, False, gather) == 0.0
+    graphed = advisor.predicted(found, setting(strategy="gpu_resident"), setting(graph=True))
+    assert graphed == pytest.approx(0.156 + 0.0146)  # within 5% of the 0.180 measured (0.156: -13%)
+    assert predict(0.469, 0.321, 0.0, 0.321, launch_ms=0.03) == 0.469  # the reference step, graphed: hidden
+    # Not measured (a CPU ladder, an older run's figures): nothing added.
+    assert advisor.graph_launch_ms(ladder(configured=1.0, graphed_host_step=0.03), True) == 0.0
+
+
+def test_one_run_is_held_against_the_model_within_twice_the_eager_steps_drift():
+    """The reference workload fed by pinned_chunk on an H200: the eager step measured 1.764 and
+    1.875 (6% apart), the run 1.836 with its feed hidden, the model 2.135 (-14%). One run against
+    the mean of two runs lands within about twice their distance: no caution at -12%, one at -14%."""
+    found = ladder(configured=1.836, ceiling_eager=1.82, ceiling_graphed=0.615, feed=0.316, drift=0.063, tolerance=0.063,
+                   strategy="pinned_chunk")
+    assert advisor.miss_tolerance(found) == pytest.approx(0.126)
+    assert advisor.cautioned(found, judge(found))  # -14%
+    found.configured = 1.88
+    assert not advisor.cautioned(found, judge(found))  # -12%
+    found.drift = 0.15
+    assert advisor.miss_tolerance(found) == advisor.MAX_TOLERANCE  # at most 20%
+
+
+def test_where_the_host_drifted_each_change_is_verified_twice_in_turns(tracking_uri):
+    """Where the eager ceiling measured first and last moved beyond the minimum tolerance, the
+    first two configurations (the best, the top change) run twice, the second pass in reverse
+    order, and measure the mean of their runs; one that failed is not run again, the others run
+    once. On a steady host, once each."""
+    cfg = compose_config(*TINY_NOOP, f"tracking.uri={tracking_uri}")
+    readings = {"loader=gpu_resident": [2.0, 2.2], "loader=pinned_chunk": [3.0, 2.4], "loader=pinned": [None]}
+    asked = []
+
+    def run_fn(job):
+        asked.append(job.tracking.run_name)
+        configuration = [name.split("verify ")[1].split(",")[0] for name in asked]
+        ms = readings[configuration[-1]][configuration.count(configuration[-1]) - 1]
+        if ms is None:
+            raise advisor.RunFailed("it failed")
+        return {"ms_per_step": ms}
+
+    adv = advisor.Advisor(cfg, 4, None, run_fn, log=lambda line: None)
+    readings["loader=prefetch"] = [5.0]
+    changes = [advisor.Change(setting(strategy=name), 1.0, "")
+               for name in ("gpu_resident", "pinned_chunk", "pinned", "prefetch", "gpu_resident")]
+    adv.verify(changes, drift=0.25, twice=3)
+    assert asked == ["advise: verify loader=gpu_resident, run 1", "advise: verify loader=pinned_chunk, run 1",
+                     "advise: verify loader=pinned, run 1", "advise: verify loader=prefetch",
+                     "advise: verify loader=pinned_chunk, run 2", "advise: verify loader=gpu_resident, run 2"]
+    assert [(c.measured_ms, c.measured_runs) for c in changes] == [
+        (pytest.approx(2.1), 2), (pytest.approx(2.7), 2), (pytest.approx(math.nan, nan_ok=True), 0), (5.0, 1),
+        (pytest.approx(2.1), 2)]  # a configuration listed twice is run as one
+    assert changes[1].measured_apart == pytest.approx(0.25)
+    assert "measured 2.700 (+170%, the mean of 2 runs 25% apart)" in advisor._verified(changes[1], " ")
+    asked.clear()
+    readings.update({"loader=gpu_resident": [2.0], "loader=pinned_chunk": [3.0]})
+    steady = [advisor.Change(setting(strategy=name), 1.0, "") for name in ("gpu_resident", "pinned_chunk")]
+    adv.verify(steady, drift=0.02)
+    assert asked == ["advise: verify loader=gpu_resident", "advise: verify loader=pinned_chunk"]
+    assert [(c.measured_ms, c.measured_runs) for c in steady] == [(2.0, 1), (3.0, 1)]
+    assert advisor._verified(steady[0], " ") == " measured 2.000 (+100%)"
+
+
 def test_only_the_feeds_work_on_the_loops_thread_takes_turns_with_the_step():
     """A DataLoader whose workers make a batch in 2.5 ms, 0.5 of it on the loop's thread (dequeue
     and copy): beside an eager step of 2 ms whose launches set its pace (0.5 graphed), the workers'
@@ -389,8 +461,13 @@ def test_a_loader_slowed_on_purpose_is_judged_input_and_recorded(tracking_uri):
     text = Path(client.download_artifacts(result["run_id"], "advice.md")).read_text()
     assert "bound: input" in text and "loader=gpu_resident" in text
     rungs = client.search_runs([advice.info.experiment_id], f"tags.`mlflow.parentRunId` = '{result['run_id']}'")
-    assert {r.info.run_name for r in rungs} >= {"advise: configured", "advise: ceiling, eager", "advise: feed alone",
-                                                 "advise: verify loader=gpu_resident"}
+    names = {r.info.run_name for r in rungs}
+    assert names >= {"advise: configured", "advise: ceiling, eager", "advise: feed alone"}
+    # once, or twice in turns where the eager ceiling moved between its two runs (this host's drift)
+    verified = sorted(n for n in names if n.startswith("advise: verify loader=gpu_resident"))
+    assert verified in (["advise: verify loader=gpu_resident"],
+                        ["advise: verify loader=gpu_resident, run 1", "advise: verify loader=gpu_resident, run 2"])
+    assert (len(verified) == 2) == (ladder_.drift > advisor.MIN_TOLERANCE) and top.measured_runs == len(verified)
 
 
 def test_a_busy_model_is_judged_compute(tracking_uri, capsys):
@@ -687,7 +764,8 @@ def test_a_feed_alone_slower_than_the_whole_run_is_measured_again(tracking_uri, 
     assert ladder_.feed_drift == pytest.approx(28 / 5 - 1) and ladder_.tolerance == pytest.approx(0.1)
     assert advisor.miss_tolerance(ladder_) == advisor.MAX_TOLERANCE
     assert ("tolerance 10% (the eager step fed from the device measured first and last 10% apart), 20% against the "
-            "run (the feed alone measured first and last 460% apart)") in result["text"]
+            "run (the feed alone measured first and last 460% apart; one run against the mean of the eager step's "
+            "two: twice their distance)") in result["text"]
     assert not any(name.startswith("advise: kernels") for name in asked) and "kernels (not asked" in result["text"]
     # The eager ceiling once at 14 ms (above the whole run's 5.6), once at 0.6: the faster stands.
     eager = iter([14.0, 0.6])

@@ -404,4 +404,38 @@ def test_many_runs_of_one_process_share_one_dataset_unless_it_is_large(monkeypat
     assert large(small) is not large(small) and large.dataset is None
 
 
+def test_many_runs_of_one_process_share_one_models_initial_weights(tmp_path):
+    """The advisor's rungs build the model once (`models.BuiltOnce`): each run gets its own copy of
+    the weights the seed gives, whatever the run's loader drew from the generator before, and the
+    generator is left as it was. Another seed or section builds anew; a model over what may be
+    kept (the advisor: a quarter of the host's free memory) is built for each run; two runs of
+    one job train alike."""
+    import models
+    cfg = compose_config(*TINY_DATASET, "model=mlp")
+    shape, classes = (8, 8), 10
+    torch.manual_seed(0)
+    reference = models.build_model(cfg.model, shape, classes)
+    weights = models.BuiltOnce()
+    for drawn in (0, 3):
+        torch.manual_seed(0)
+        torch.rand(drawn)  # a loader drew from the generator before the model was asked for
+        before = torch.get_rng_state()
+        model = weights(cfg.model, shape, classes, torch.device("cpu"))
+        assert torch.equal(torch.get_rng_state(), before)
+        assert all(torch.equal(a, b) for a, b in zip(reference.parameters(), model.parameters()))
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # a run trains its copy: the next copy is untouched
+    cached = weights.model
+    torch.manual_seed(1)
+    assert not torch.equal(next(weights(cfg.model, shape, classes, torch.device("cpu")).parameters()),
+                           next(reference.parameters())) and weights.model is not cached
+    job = compose_config(*TINY_DATASET, "model=mlp", "engine.max_steps=6", "engine.warmup_steps=2",
+                         f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    shared = models.BuiltOnce()
+    first, second = (run(job, models=shared)["final_loss"] for _ in range(2))
+    assert first == second
+    large = models.BuiltOnce(keep_at_most=lambda: 1)
+    assert large(cfg.model, shape, classes, torch.device("cpu")) is not None and large.model is None
+
+
 TINY_DATASET = ("dataset.num_samples=96", "dataset.shape=[8,8]")

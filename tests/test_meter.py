@@ -250,6 +250,7 @@ def test_one_summary_for_every_loop():
     assert s["compute_stream_span_fraction"] == pytest.approx(2.0 * 2 / 10) and s["median_compute_ms"] == 2.0
     assert (s["host_page_faults_per_step"], s["host_cpu_ms_per_step"], s["ms_per_step"]) == (4.0, 2.0, 5.0)
     assert s["timed_steps"] == 2 and s["final_loss"] == 2.0 and "lightning_fraction" not in s
+    assert s["median_host_step_ms"] == 3.0  # the step itself, its batch in hand: 3 and 3 ms of 4 and 6
     lightning = summarise([_row(1, 1.0, 2.0, 4.0, 0.5), _row(2, 3.0, 2.0, 6.0, 1.5)], wall_s=0.01)
     assert lightning["lightning_fraction"] == pytest.approx(0.2) and lightning["median_lightning_ms"] == 1.0
     assert {k: v for k, v in lightning.items() if "lightning" not in k}.keys() == s.keys()

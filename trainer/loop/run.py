@@ -20,7 +20,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -100,10 +100,12 @@ def loop_named(name: str):
     return getattr(importlib.import_module(module), cls)
 
 
-def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, needs_objective: bool = False) -> dict:
+def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, needs_objective: bool = False,
+        models: Optional[Callable] = None) -> dict:
     """One experiment: returns the summary metrics (also logged to MLflow). `on_timed_start`: what
     to call where the timed region begins (a harness's pause, `trainer.tools.turns`). `dataset`: a
     harness's dataset already built from `cfg.dataset`, shared by its runs (`trainer.tools.rounds`).
+    `models`: a harness's `models.BuiltOnce`, which hands its runs copies of one model's weights.
     `needs_objective`: the run is a study's trial, ranked by `engine.objective`: one that did not
     measure it fails (RunFailed, the run closed FAILED) instead of finishing without it."""
     ranks = Ranks(cfg.distributed)  # a world of one unless started by torchrun
@@ -124,7 +126,7 @@ def run(cfg, on_timed_start: Sequence[Callable[[], None]] = (), dataset=None, ne
         with tempfile.TemporaryDirectory(prefix="feedbench-") as tmp, steady_heap(cfg.engine.steady_heap) as heap, \
                 _opened(cfg, ranks, device, heap) as (stop, tracker):
             before = process_memory_mb()  # what the process held before this run's data, loader and model
-            parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start, dataset)
+            parts = build(cfg, job, device, ranks, tracker, Path(tmp), on_timed_start, dataset, models)
             journal = _journal(parts, tracker) if ranks.is_main else None
             error, memory = None, {}
             try:
@@ -182,9 +184,10 @@ def _opened(cfg, ranks: Ranks, device: torch.device, heap: str) -> Iterator[tupl
 
 
 def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
-          on_timed_start: Sequence[Callable] = (), dataset=None) -> Parts:
+          on_timed_start: Sequence[Callable] = (), dataset=None, models: Optional[Callable] = None) -> Parts:
     """The parts, each from its own typed section of `job` (`validate`); checks that need the
-    dataset come first. `dataset`: one built from `job.dataset` already (else built here)."""
+    dataset come first. `dataset`: one built from `job.dataset` already (else built here);
+    `models(section, sample_shape, num_classes, device)`: where the model comes from (else built here)."""
     mem_base = gpu_memory_baseline(device)
     with ranks.agree():
         dataset = build_dataset(job.dataset) if dataset is None else dataset
@@ -201,7 +204,10 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         if degraded:
             print(f"warning: no CUDA for {' and '.join(degraded)}; running the CPU path (run tagged degraded=true)", file=sys.stderr)
         with ranks.agree():
-            model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
+            if models is None:
+                model = build_model(job.model, dataset.sample_shape, dataset.num_classes).to(device)
+            else:
+                model = models(job.model, dataset.sample_shape, dataset.num_classes, device)
             model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
         model = ranks.wrap(model)  # DDP
         optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
@@ -322,13 +328,22 @@ def _step_counts(step) -> dict:
     return {k: getattr(step, k) for k in STEP_COUNTS if hasattr(step, k)}
 
 
+_LIVE_AFTER_COLLECTION: Dict[int, int] = {}  # per GPU: bytes allocated when garbage was last ruled out
+
+
 def gpu_memory_baseline(device: torch.device) -> int:
     """Several runs may share one process (a multirun): free what earlier ones left and measure
     this run's peak from here."""
     if device.type != "cuda":
         return 0
-    if torch.cuda.memory_allocated(device):  # a full collection takes 0.3 s in a process of this size: only if due
+    # A full collection takes 0.3-0.4 s in a process of this size: only where more is allocated
+    # than the last one left. Some memory outlives every run (cuBLAS's workspaces, a compiled
+    # step's constants), so "anything allocated" would collect before every run of the process.
+    held, index = torch.cuda.memory_allocated(device), device.index or 0
+    if held > _LIVE_AFTER_COLLECTION.get(index, 0):
         gc.collect()
+        held = torch.cuda.memory_allocated(device)
+    _LIVE_AFTER_COLLECTION[index] = held
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     return torch.cuda.memory_allocated(device)
