@@ -404,7 +404,7 @@ def test_many_runs_of_one_process_share_one_dataset_unless_it_is_large(monkeypat
     assert large(small) is not large(small) and large.dataset is None
 
 
-def test_many_runs_of_one_process_share_one_models_initial_weights(tmp_path):
+def test_many_runs_of_one_process_share_one_models_initial_weights(tmp_path, monkeypatch):
     """The advisor's rungs build the model once (`models.BuiltOnce`): each run gets its own copy of
     the weights the seed gives, whatever the run's loader drew from the generator before, and the
     generator is left as it was. Another seed or section builds anew; a model over what may be
@@ -429,11 +429,22 @@ def test_many_runs_of_one_process_share_one_models_initial_weights(tmp_path):
     torch.manual_seed(1)
     assert not torch.equal(next(weights(cfg.model, shape, classes, torch.device("cpu")).parameters()),
                            next(reference.parameters())) and weights.model is not cached
+    # A model without weights (the advisor's feed-alone rungs) leaves the kept one alone.
+    kept = weights.model
+    assert weights(compose_config("model=noop").model, shape, classes, torch.device("cpu")) is not None
+    assert weights.model is kept
+    # A parameter a copy would make plain (a subclass, attributes of its own): built for each run.
+    model = models.build_model(cfg.model, shape, classes)
+    next(model.parameters()).note = "kept"
+    assert not models._copyable(model) and models._copyable(reference)
     job = compose_config(*TINY_DATASET, "model=mlp", "engine.max_steps=6", "engine.warmup_steps=2",
                          f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}")
+    builds = []  # weights made (the run's size checks build on the meta device: no weights)
+    monkeypatch.setattr(models, "build_model", lambda *a: builds.extend(
+        [a] if torch.get_default_device().type != "meta" else []) or build_model(*a))
     shared = models.BuiltOnce()
     first, second = (run(job, models=shared)["final_loss"] for _ in range(2))
-    assert first == second
+    assert first == second and len(builds) == 1 and shared.model is not None
     large = models.BuiltOnce(keep_at_most=lambda: 1)
     assert large(cfg.model, shape, classes, torch.device("cpu")) is not None and large.model is None
 

@@ -263,11 +263,14 @@ def graph_launch_ms(ladder: Ladder, graphed: bool, feed: Setting = ()) -> float:
     configured loader): its time in the graphed step (replaying the graph) over its time in that
     feed alone's no-op step, which the feed alone's ms/step holds already (a `baseline` feed's
     no-op step takes 0.08 ms on an H200, a gather's 0.02). 0: an eager step, whose launches its own
-    ms/step holds, or not measured."""
+    ms/step holds, or not measured, or not a launch: a graphed ceiling whose host time in the step
+    is over half its ms/step waited there for the device (a host far enough ahead fills CUDA's
+    launch queue, and the replay waits for room), which says nothing of what launching costs."""
     noop = ladder.feeds_host_step.get(feed, math.nan) if feed else ladder.feed_host_step
-    if not graphed or not (math.isfinite(ladder.graphed_host_step) and math.isfinite(noop)):
+    host = ladder.graphed_host_step
+    if not graphed or not (math.isfinite(host) and math.isfinite(noop)) or host > 0.5 * ladder.ceiling_graphed:
         return 0.0
-    return max(0.0, ladder.graphed_host_step - noop)
+    return max(0.0, host - noop)
 
 
 def in_line(ladder: Ladder, strategy: str) -> float:
@@ -298,9 +301,10 @@ def miss_tolerance(ladder: Ladder) -> float:
     or where wider, at most `MAX_TOLERANCE`: the configured run's own 95% interval (a run on a host
     whose speed moves: the interval of an asynchronous run of a few steps reads the host's clock
     running ahead of the device, and can span more than the run itself), the feed's drift, or twice
-    the eager step's. The last, because one run is held against the mean of two: where two runs
-    of a step are d apart, a third lands within about 2d of their mean 95 times in 100 (its
-    spread, 1.2 of one run's, over the pair's expected distance, 1.1 of it, times 1.96)."""
+    the eager step's. The last, because one run is held against the mean of two runs of its step,
+    d apart: with the host's noise normal, a third run lands within 2d of their mean about 3 times
+    in 4 (2/pi atan(2 / sqrt(0.75))); the caution is for what the drift the ladder saw explains
+    less well than that."""
     return max(ladder.tolerance, min(max(ladder.configured_spread, ladder.feed_drift, 2 * ladder.drift), MAX_TOLERANCE))
 
 
@@ -788,9 +792,9 @@ class Advisor:
     def verify(self, changes: Sequence[Change], drift: float = 0.0, twice: int = 2) -> None:
         """Run each change as the configured run was run: its measured ms/step. Where the host's
         speed moved during the ladder (`drift`, the eager ceiling measured first and last, beyond
-        the minimum tolerance), the first `twice` configurations (the best and the top change: what
-        the user is told first) run twice, in turns (the second pass in reverse order), and measure
-        the mean of their two runs: one run on such a host reads its drift as the model's miss (an
+        the minimum tolerance), the first `twice` distinct configurations (the best and the top
+        change, what the user is told first; the next change where those two are one) run twice,
+        in turns (the second pass in reverse order), and measure the mean of their two runs: one run on such a host reads its drift as the model's miss (an
         eager step on an H200 host: 1.6 to 2.2 ms/step in ten runs in a row)."""
         order = list(dict.fromkeys(c.changes for c in changes))  # each configuration once a pass
         runs: Dict[Setting, List[float]] = {c: [] for c in order}
