@@ -2,7 +2,9 @@
 `advisor_workloads.py`, every loader strategy × CUDA graph (off, on) × the optimizer's
 implementation (the job's, fused), each run as the advisor's rungs are (this process, the job's
 warm-up, then `--steps` timed steps), a job met twice (the reference workloads share their grid)
-run once. The fastest row of each workload goes beside the advisor's best in the table
+run once. The fastest job of each workload is timed again for at least 250 ms of steps
+(`trainer.tools.advisor.timed_steps`, as the advisor verifies), until the fastest is one so
+timed (at most `--retime` jobs); the longer reading stands (the first kept, `first_ms_per_step`). The fastest row of each workload goes beside the advisor's best in the table
 (`advisor_table.py --render`). One process; no job started past `--deadline` seconds.
 
     python benchmarks/advisor_sweep.py            # writes outputs/advisor_sweep.json and .md
@@ -31,12 +33,15 @@ def main() -> int:
     p.add_argument("--deadline", type=float, default=330, help="start no job past this many seconds")
     p.add_argument("--job-limit", type=float, default=30, help="seconds a job may take before it is stopped")
     p.add_argument("--out", default=str(ROOT / "outputs" / "advisor_sweep.json"))
+    p.add_argument("--retime", type=int, default=6,
+                   help="time the fastest job of each workload again for at least 250 ms of steps, until the "
+                        "fastest is one so timed, at most N jobs (default 6)")
     p.add_argument("--only", default="", help="comma-separated workload numbers (1-8), run in that order; default all")
     args = p.parse_args()
     start = time.perf_counter()
     from omegaconf import OmegaConf, open_dict
 
-    from trainer.tools.advisor import LEVERS, overrides_of, setting, with_changes
+    from trainer.tools.advisor import LEVERS, overrides_of, setting, timed_steps, with_changes
     from trainer.loop.run import run
     ensure_data()
     uri = f"sqlite:///{(ROOT / 'outputs' / 'advisor_sweep.db').resolve()}"
@@ -45,48 +50,75 @@ def main() -> int:
     if not set(order) <= set(range(1, len(WORKLOADS) + 1)):
         p.error(f"--only: workload numbers are 1 to {len(WORKLOADS)}")
     results, seen = {}, {}
+
+    def timed(job, steps: int, row: dict) -> None:
+        """Run `job` for `steps` timed steps into `row` (its ms/step, how it ended, its seconds)."""
+        with open_dict(job):
+            job.engine.max_steps = job.engine.warmup_steps + steps
+        left = args.deadline - (time.perf_counter() - start)
+        if left < 5:
+            row.update(ms_per_step=None, ended="not run: the deadline")
+            return
+        began, stop = time.perf_counter(), None
+        try:
+            with time_limit(min(args.job_limit, left)) as stop:
+                summary = run(copy.deepcopy(job))
+            row.update(ms_per_step=summary["ms_per_step"], ended="finished")
+        except KeyboardInterrupt:
+            if stop is None or not stop.fired:
+                raise  # the user's Ctrl-C or an outside SIGTERM: the sweep stops
+            row.update(ms_per_step=None, ended="stopped at its time limit")
+        except Exception as e:  # a combination the engine refuses is a row, not the sweep's end
+            row.update(ms_per_step=None, ended=f"refused: {' '.join(str(e).split())[:160]}")
+        row["s"] = round(time.perf_counter() - began, 1)
+
     for number in order:  # in the order given: the most wanted first, in case the deadline comes
         label, _, _, overrides = WORKLOADS[number - 1]
         base = compose([*overrides, f"tracking.uri={uri}"])
-        rows = []
+        rows, jobs = [], {}
         for strategy, graph, optimizer in itertools.product(STRATEGIES, GRAPH, OPTIMIZER):
             changes = setting(strategy=strategy, graph=graph, optimizer=optimizer)
             job = with_changes(base, changes)
             with open_dict(job):
-                job.engine.max_steps = job.engine.warmup_steps + args.steps
                 job.engine.kernel_window_steps = 0
                 job.engine.progress, job.engine.quiet = False, True
                 job.tracking.run_name = f"sweep {label}: {' '.join(overrides_of(changes))}"
-            key = OmegaConf.to_yaml({k: v for k, v in job.items() if k != "tracking"})
+            # The job as run, but for its name and length: a job met in an earlier workload's grid
+            # (the reference workloads share theirs) takes that grid's reading, re-timed or not.
+            key = OmegaConf.to_yaml({**{k: v for k, v in job.items() if k not in ("tracking", "engine")},
+                                     "engine": {k: v for k, v in job.engine.items() if k != "max_steps"}})
             row = {"overrides": " ".join(overrides_of(changes))}
             if key in seen:
                 row.update(seen[key], shared=True)
             else:
-                left = args.deadline - (time.perf_counter() - start)
-                if left < 5:
-                    row.update(ms_per_step=None, ended="not run: the deadline")
-                    rows.append(row)
-                    continue
-                began = time.perf_counter()
-                stop = None
-                try:
-                    with time_limit(min(args.job_limit, left)) as stop:
-                        summary = run(copy.deepcopy(job))
-                    row.update(ms_per_step=summary["ms_per_step"], ended="finished")
-                except KeyboardInterrupt:
-                    if stop is None or not stop.fired:
-                        raise  # the user's Ctrl-C or an outside SIGTERM: the sweep stops
-                    row.update(ms_per_step=None, ended="stopped at its time limit")
-                except Exception as e:  # a combination the engine refuses is a row, not the sweep's end
-                    row.update(ms_per_step=None, ended=f"refused: {' '.join(str(e).split())[:160]}")
-                row["s"] = round(time.perf_counter() - began, 1)
-                seen[key] = {k: row[k] for k in ("ms_per_step", "ended")}
-                print(f"  {label}: {row['overrides']}: {row['ms_per_step'] or '—'} ({row['ended']}, {row['s']} s)",
-                      file=sys.stderr, flush=True)
+                timed(job, args.steps, row)
+                if "s" in row:
+                    seen[key], jobs[key] = {k: row[k] for k in ("ms_per_step", "ended")}, (job, row)
+                    print(f"  {label}: {row['overrides']}: {row['ms_per_step'] or '—'} ({row['ended']}, {row['s']} s)",
+                          file=sys.stderr, flush=True)
             rows.append(row)
-        timed = [r for r in rows if r.get("ms_per_step") and math.isfinite(r["ms_per_step"])]
-        fastest = min(timed, key=lambda r: r["ms_per_step"]) if timed else None
-        results[label] = {"fastest": fastest, "rows": rows, "run": len(timed),
+        # The fastest job again, for at least MIN_TIMED_MS of timed steps, until the fastest is one
+        # so timed (at most --retime jobs): 60 steps of a 0.12 ms step are 7 ms of a host whose
+        # speed moves, and the fastest of 28 such readings is the luckiest, not the fastest
+        # configuration. The longer reading stands.
+        retimed = set()
+        while len(retimed) < args.retime:
+            ms, key = min(((r["ms_per_step"], k) for k, (_, r) in jobs.items() if r.get("ms_per_step")), default=(0, None))
+            steps = timed_steps(args.steps, ms)
+            if key is None or key in retimed or steps <= args.steps:
+                break  # none timed, the fastest timed long enough already
+            retimed.add(key)
+            job, row = jobs[key]
+            again = {}
+            timed(job, steps, again)
+            row.update(first_ms_per_step=row["ms_per_step"], ms_per_step=again.get("ms_per_step"), steps=steps,
+                       ended=again["ended"])
+            seen[key]["ms_per_step"] = row["ms_per_step"]
+            print(f"  {label}: {row['overrides']}, again for {steps} steps: {row['ms_per_step'] or '—'} "
+                  f"({again['ended']}, {again.get('s', 0)} s)", file=sys.stderr, flush=True)
+        timed_rows = [r for r in rows if r.get("ms_per_step") and math.isfinite(r["ms_per_step"])]
+        fastest = min(timed_rows, key=lambda r: r["ms_per_step"]) if timed_rows else None
+        results[label] = {"fastest": fastest, "rows": rows, "run": len(timed_rows),
                           "of": len(rows), "lever keys": [LEVERS[k] for k in ("strategy", "graph", "optimizer")]}
         out.write_text(json.dumps(results, indent=1))
     lines = ["| workload | jobs timed | fastest | its ms/step | slowest timed ms/step |", "|---|---:|---|---:|---:|"]

@@ -668,7 +668,18 @@ def test_the_ladder_on_a_gpu_judges_and_predicts_from_its_rungs(tracking_uri, mo
     assert {"advise: ceiling, graphed, engine.optimizer.impl=fused",  # the step's levers, on the fastest step so far
             "advise: ceiling, eager, engine.compile=default"} <= set(names)
     assert names[-2:] == ["advise: kernels of configured", "advise: kernels of ceiling, eager"]
-    assert all(window == 0 and steps == 105 for _, steps, window in asked[:-2])
+    # Each verified configuration runs for at least 250 ms of timed steps at its predicted pace (at
+    # most 10 times the rungs' 100); every other rung, the configured run's second reading last
+    # among them, for the rungs' 100.
+    verified = {name: steps for name, steps, _ in asked if name.startswith("advise: verify")}
+    assert verified == {"advise: verify loader=gpu_resident engine.cuda_graph=true engine.optimizer.impl=fused": 1005,
+                        "advise: verify loader=gpu_resident": 5 + 397, "advise: verify loader=pinned_chunk": 5 + 250,
+                        "advise: verify loader.num_workers=4": 105}
+    timing = [(name, steps) for name, steps, window in asked[:-2] if name not in verified and window == 0]
+    assert len(timing) == len(asked) - 2 - len(verified) and all(steps == 105 for _, steps in timing)
+    at = [name for name, _ in timing].index("advise: ceiling, eager, again")
+    assert [name for name, _ in timing][at:at + 3] == ["advise: ceiling, eager, again", "advise: feed alone, again",
+                                                       "advise: configured, again"]
     assert all(window == 20 and steps == 6 for _, steps, window in asked[-2:])
     assert ladder_.kernels["ceiling, eager"]["gpu_kernel_ms_per_step"] == 0.15
     assert "launch gaps 0.400 ms/step" in result["text"] and "Simulated GPU" in result["text"]
@@ -796,6 +807,43 @@ def test_the_feed_alone_is_measured_first_and_last_and_its_drift_widens_the_runs
     assert (ladder_.feed, ladder_.feed_loop) == (5.5, 5.5) and ladder_.feed_drift == pytest.approx(0.2)
     assert ladder_.tolerance == advisor.MIN_TOLERANCE and advisor.miss_tolerance(ladder_) == pytest.approx(0.2)
     assert advisor.modelled(ladder_) == pytest.approx(5.5 + 0.6)
+
+
+def test_the_configured_run_is_measured_first_and_last_and_the_model_held_against_their_mean(tracking_uri, monkeypatch):
+    """One configured run read the host's moment (4.4 ms/step where its parts alone add to 5.6):
+    measured again after the other rungs, the run is the pair's mean (5.2, 7% under the model,
+    no caution), and the pair's distance widens how far the run may be from the model. A run
+    whose timed steps took 5 s already is not measured again."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    readings, asked = iter([4.4, 6.0]), []
+
+    def run_fn(cfg):
+        asked.append(cfg.tracking.run_name)
+        summary = simulated_gpu(cfg)
+        if cfg.tracking.run_name in ("advise: configured", "advise: configured, again"):
+            summary["ms_per_step"] = next(readings)
+            summary["data_wait_fraction"] = 0.9
+        return summary
+
+    cfg = compose_config("dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.warmup_steps=5",
+                         f"tracking.uri={tracking_uri}")
+    result = advisor.advise(cfg, steps=10, verify=False, run_fn=run_fn, log=lambda line: None, kernels=False)
+    ladder_ = result["ladder"]
+    assert asked.index("advise: configured, again") == asked.index("advise: feed alone, again") + 1
+    assert ladder_.configured == pytest.approx(5.2) and ladder_.configured_drift == pytest.approx(6.0 / 4.4 - 1)
+    assert ladder_.configured_wait == pytest.approx(0.9 * 5.2)
+    assert advisor.modelled(ladder_) == pytest.approx(5.6) and advisor.model_miss(ladder_) == pytest.approx(5.2 / 5.6 - 1)
+    assert advisor.miss_tolerance(ladder_) == advisor.MAX_TOLERANCE and not advisor.cautioned(ladder_, advisor.judge(ladder_))
+    assert "the run measured first and last 36% apart" in result["text"] and "caution" not in result["text"]
+    metrics = MlflowClient(tracking_uri).get_run(result["run_id"]).data.metrics
+    assert metrics["ladder.configured_ms"] == pytest.approx(5.2) and metrics["ladder.configured_drift"] == pytest.approx(0.3636, abs=1e-4)
+    # 900 timed steps of 5.6 ms: 5 s of the host's time in one reading.
+    asked.clear()
+    long = advisor.advise(cfg, steps=900, verify=False, run_fn=lambda job: asked.append(job.tracking.run_name) or simulated_gpu(job),
+                          log=lambda line: None, kernels=False)["ladder"]
+    assert "advise: configured, again" not in asked and "advise: feed alone, again" in asked
+    assert (long.configured, long.configured_drift) == (5.6, 0.0)
 
 
 def test_compile_and_the_fused_optimizer_are_measured_on_the_fastest_step_they_run_with(tracking_uri, monkeypatch):

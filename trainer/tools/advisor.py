@@ -13,7 +13,8 @@ For the composed config it measures, in this process on this device, a short lad
     feed              the configured loader with no model (model=noop): how fast batches come (and
                       how much of that is the loop thread's own work), and the same for each
                       feed-side change (another strategy, more or fewer workers)
-    again             the eager ceiling and the feed alone once more, last: the host's drift
+    again             the eager ceiling, the feed alone and the configured run once more, last:
+                      the host's drift over the ladder (each rung the pair's mean)
     copy              this batch's bytes at the pinned peak and at the pageable rate (after the
                       configured run), against the copy it achieved
     kernels           the configured run and the eager ceiling again, for their kernel windows
@@ -61,6 +62,13 @@ from trainer.tracking.store import check_tracking_uri, default_uri, experiment_i
 BOUNDS = ("input", "copy", "launch", "compute", "none")  # none: the rungs contradict each other, no verdict
 IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: the copy and the step take turns there
 MIN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.20  # "within a few percent": the ceiling's own jitter, kept in these bounds
+# A verified configuration runs at least this long in its timed steps (at most MOST_STEPS times the
+# rungs' steps): 100 steps of a 0.12 ms graphed step are 12 ms of a host whose speed moves, and two
+# such runs measured 22% apart on an H200.
+MIN_TIMED_MS, MOST_STEPS = 250.0, 10
+# The configured run is measured again, last, where its timed steps took less than this: a longer
+# run has seen the host's drift already (64 workers on 16 cores: 9 s for 50 steps).
+AGAIN_UNDER_MS = 5000.0
 # The loader keys every strategy has: carried over when a rung or a change swaps the strategy.
 COMMON_LOADER_KEYS = tuple(f for f in LoaderConfig.__dataclass_fields__ if f != "name")
 DATALOADER_KEYS = ("num_workers", "prefetch_factor", "persistent_workers")  # mean nothing to a strategy without one
@@ -144,6 +152,7 @@ class Ladder:
     feed_loop: float = field(default_factory=_nan)
     configured_wait: float = field(default_factory=_nan)  # the configured run's wait for batches, ms/step
     configured_spread: float = 0.0  # the configured run's own 95% interval, half its width over its ms/step
+    configured_drift: float = 0.0  # the configured run measured first and last: how far apart, over the faster
     copy_achieved: float = field(default_factory=_nan)  # the configured run's copies (median, CUDA events)
     copy_pinned: float = field(default_factory=_nan)  # one batch at the pinned peak
     copy_pageable: float = field(default_factory=_nan)  # one batch at the pageable rate
@@ -300,12 +309,13 @@ def miss_tolerance(ladder: Ladder) -> float:
     """How far the run may be from the model and still be explained by it: the rungs' tolerance,
     or where wider, at most `MAX_TOLERANCE`: the configured run's own 95% interval (a run on a host
     whose speed moves: the interval of an asynchronous run of a few steps reads the host's clock
-    running ahead of the device, and can span more than the run itself), the feed's drift, or twice
-    the eager step's. The last, because one run is held against the mean of two runs of its step,
+    running ahead of the device, and can span more than the run itself), its own drift or the
+    feed's (each measured first and last), or twice the eager step's. The last, because one run is held against the mean of two runs of its step,
     d apart: with the host's noise normal, a third run lands within 2d of their mean about 3 times
     in 4 (2/pi atan(2 / sqrt(0.75))); the caution is for what the drift the ladder saw explains
     less well than that."""
-    return max(ladder.tolerance, min(max(ladder.configured_spread, ladder.feed_drift, 2 * ladder.drift), MAX_TOLERANCE))
+    widest = max(ladder.configured_spread, ladder.configured_drift, ladder.feed_drift, 2 * ladder.drift)
+    return max(ladder.tolerance, min(widest, MAX_TOLERANCE))
 
 
 def disagreeing_rung(ladder: Ladder) -> str:
@@ -634,12 +644,12 @@ class Advisor:
         self.allow = tuple(allow)  # levers that change the training, allowed by the user
         self.refusal: Optional[ConfigError] = None  # why the last rung not measured was refused
 
-    def sized(self, cfg, name: str, window: int = 0):
-        """The rung's job: `steps` timed steps after the job's warm-up (one, for a rung that takes a
-        kernel window: only its window counts), nested under the advice."""
+    def sized(self, cfg, name: str, window: int = 0, steps: int = 0):
+        """The rung's job: `steps` timed steps (0: the advice's) after the job's warm-up (one, for a
+        rung that takes a kernel window: only its window counts), nested under the advice."""
         job = copy.deepcopy(cfg)
         with open_dict(job):
-            job.engine.max_steps = job.engine.warmup_steps + (1 if window else self.steps)
+            job.engine.max_steps = job.engine.warmup_steps + (1 if window else steps or self.steps)
             job.engine.kernel_window_steps = window
             job.engine.progress = False
             job.engine.quiet = True  # the rung's one progress line says what it measured, not a run's summary
@@ -648,11 +658,11 @@ class Advisor:
             job.tracking.run_name = f"advise: {name}"
         return job
 
-    def measure(self, cfg, name: str, window: int = 0) -> tuple:
+    def measure(self, cfg, name: str, window: int = 0, steps: int = 0) -> tuple:
         """(summary, "") of one rung, or (None, why it could not be measured)."""
         start = time.perf_counter()
         try:
-            summary = self.run_fn(self.sized(cfg, name, window))
+            summary = self.run_fn(self.sized(cfg, name, window, steps))
         except (ConfigError, RunFailed) as e:
             self.refusal = e if isinstance(e, ConfigError) else None
             self.log(f"  {name}: not measured ({' '.join(str(e).split())[:300]})")
@@ -716,28 +726,41 @@ class Advisor:
     def _again(self, ladder: Ladder, ceiling) -> None:
         """Rungs measured a second time, last, for the host's drift: on a GPU host the same eager
         step measures 10-30% apart from one run to the next, and a feed made by Python on the
-        loop's thread 20-40%. The eager ceiling and the feed alone again, each rung the pair's mean
-        (their faster, where the mean contradicts the whole run: a part of the run, at its best).
+        loop's thread 20-40%. The eager ceiling, the feed alone and the configured run once more,
+        in that order (the configured run first and last: its pair spans the ladder; not where its
+        timed steps took `AGAIN_UNDER_MS` already), each the pair's mean: the model is held against
+        the run on means over the same span of the host's time (one MNIST run at 6.7 ms/step beside
+        feeds of 7.8 and 9.7 alone read the host's moment as the model's miss). Where a part's mean
+        contradicts the whole run, the part's faster reading stands (a part of the run, at its best).
         How far apart the ceilings are (`drift`) widens the tolerance, the steps' as the run's; the
-        feeds' (`feed_drift`) only how far the run may be from the model (`miss_tolerance`): the
-        feed's noise says nothing of whether a step is set by its launches."""
+        run's and the feeds' (`configured_drift`, `feed_drift`) only how far the run may be from
+        the model (`miss_tolerance`): their noise says nothing of whether a step is set by its launches."""
+        eager = feed = run = None
         if math.isfinite(ladder.ceiling_eager):
-            again, _ = self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")
-            if again is not None and math.isfinite(again.get("ms_per_step", math.nan)):
-                first, second = ladder.ceiling_eager, again["ms_per_step"]
-                ladder.drift = _apart(first, second)
-                ladder.ceiling_eager = (first + second) / 2
-                ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
-                if not ladder.graphed and _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
-                    ladder.ceiling_eager = min(first, second)  # a part of the run: at its best
+            eager = _timed(self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")[0])
         if math.isfinite(ladder.feed):
-            again, _ = self.measure(noop_feed(self.cfg), "feed alone, again")
-            if again is not None and math.isfinite(again.get("ms_per_step", math.nan)):
-                first, second = (ladder.feed, ladder.feed_loop), (again["ms_per_step"], _loop_ms(again))
-                ladder.feed_drift = _apart(first[0], second[0])
-                ladder.feed, ladder.feed_loop = (first[0] + second[0]) / 2, _mean(first[1], second[1])
-                if _contradiction(ladder) and ladder.feed > ladder.configured:
-                    ladder.feed, ladder.feed_loop = min(first, second)
+            feed = _timed(self.measure(noop_feed(self.cfg), "feed alone, again")[0])
+        if ladder.configured * self.steps < AGAIN_UNDER_MS:
+            run = _timed(self.measure(self.cfg, "configured, again")[0])
+        if run is not None:
+            ladder.configured_drift = _apart(ladder.configured, run["ms_per_step"])
+            ladder.configured = (ladder.configured + run["ms_per_step"]) / 2
+            ladder.configured_wait = _mean(ladder.configured_wait, _wait(run))
+            ladder.configured_spread = max(ladder.configured_spread, _spread(run))
+        eagers = feeds = None
+        if eager is not None:
+            eagers = (ladder.ceiling_eager, eager["ms_per_step"])
+            ladder.drift = _apart(*eagers)
+            ladder.ceiling_eager = sum(eagers) / 2
+            ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
+        if feed is not None:
+            feeds = ((ladder.feed, ladder.feed_loop), (feed["ms_per_step"], _loop_ms(feed)))
+            ladder.feed_drift = _apart(feeds[0][0], feeds[1][0])
+            ladder.feed, ladder.feed_loop = (feeds[0][0] + feeds[1][0]) / 2, _mean(feeds[0][1], feeds[1][1])
+        if eagers and not ladder.graphed and _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
+            ladder.ceiling_eager = min(eagers)
+        if feeds and _contradiction(ladder) and ladder.feed > ladder.configured:
+            ladder.feed, ladder.feed_loop = min(feeds)
 
     def _step_levers(self, ladder: Ladder, ceiling) -> None:
         """The step's levers past the graph (STEP_TRIALS), each measured once on top of the fastest
@@ -794,9 +817,12 @@ class Advisor:
         speed moved during the ladder (`drift`, the eager ceiling measured first and last, beyond
         the minimum tolerance), the first `twice` distinct configurations (the best and the top
         change, what the user is told first; the next change where those two are one) run twice,
-        in turns (the second pass in reverse order), and measure the mean of their two runs: one run on such a host reads its drift as the model's miss (an
-        eager step on an H200 host: 1.6 to 2.2 ms/step in ten runs in a row)."""
+        in turns (the second pass in reverse order), and measure the mean of their two runs: one
+        run on such a host reads its drift as the model's miss (an eager step on an H200 host: 1.6
+        to 2.2 ms/step in ten runs in a row). Each runs for at least `MIN_TIMED_MS` of timed steps
+        at its predicted pace (`timed_steps`): a fast configuration's 100 steps are a moment."""
         order = list(dict.fromkeys(c.changes for c in changes))  # each configuration once a pass
+        expect = {c.changes: c.predicted_ms for c in reversed(changes)}
         runs: Dict[Setting, List[float]] = {c: [] for c in order}
         again = order[:twice] if drift > MIN_TOLERANCE else []
         for turn in (order, again[::-1]):
@@ -804,7 +830,8 @@ class Advisor:
                 if runs[changes_] and not math.isfinite(runs[changes_][0]):
                     continue  # it failed: a second run would fail as the first
                 name = f"verify {' '.join(overrides_of(changes_))}" + (f", run {len(runs[changes_]) + 1}" if changes_ in again else "")
-                summary, _ = self.measure(with_changes(self.cfg, changes_), name)
+                summary, _ = self.measure(with_changes(self.cfg, changes_), name,
+                                          steps=timed_steps(self.steps, expect[changes_]))
                 runs[changes_].append(summary["ms_per_step"] if summary is not None else math.nan)
         for change in changes:
             got = [ms for ms in runs[change.changes] if math.isfinite(ms)]
@@ -831,6 +858,19 @@ class Advisor:
                                                                  "launch_gap_ms", "h2d_overlapped_by_kernels_fraction")}
 
 
+def _timed(summary: Optional[dict]) -> Optional[dict]:
+    """A rung's summary where it timed its steps (None: not measured, or no ms/step)."""
+    return summary if summary is not None and math.isfinite(summary.get("ms_per_step", math.nan)) else None
+
+
+def timed_steps(steps: int, expect_ms: float) -> int:
+    """Timed steps for a run expected at `expect_ms` a step: `steps`, or as many as fill
+    `MIN_TIMED_MS` where more, at most `MOST_STEPS` times `steps`."""
+    if not (math.isfinite(expect_ms) and expect_ms > 0):
+        return steps
+    return max(steps, min(MOST_STEPS * steps, math.ceil(MIN_TIMED_MS / expect_ms)))
+
+
 def _apart(first: float, second: float) -> float:
     """How far apart two measurements of one rung are, over the faster (0 where either is 0)."""
     return abs(second - first) / min(first, second) if min(first, second) > 0 else 0.0
@@ -849,6 +889,7 @@ def _tolerances(ladder: Ladder) -> str:
     wider = miss_tolerance(ladder)
     if wider > ladder.tolerance:
         why = [w for w, v in (("its own interval", ladder.configured_spread),
+                              (f"the run measured first and last {ladder.configured_drift:.0%} apart", ladder.configured_drift),
                               (f"the feed alone measured first and last {ladder.feed_drift:.0%} apart", ladder.feed_drift),
                               ("one run against the mean of the eager step's two: twice their distance", 2 * ladder.drift))
                if v > ladder.tolerance]
@@ -1006,6 +1047,7 @@ def metrics(ladder: Ladder, verdict: Verdict, changes: Sequence[Change], top: Op
            "ladder.modelled_ms": modelled(ladder), "tolerance": ladder.tolerance,
            "ladder.model_miss": model_miss(ladder), "ladder.miss_tolerance": miss_tolerance(ladder),
            "ladder.drift": ladder.drift, "ladder.feed_drift": ladder.feed_drift,
+           "ladder.configured_drift": ladder.configured_drift,
            "ladder.graphed_host_step_ms": ladder.graphed_host_step,
            "feeding_costs_ms": verdict.feeding_costs_ms, "launch_costs_ms": verdict.launch_costs_ms}
     for s, ms in ladder.steps.items():
