@@ -1073,7 +1073,7 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
     `kernels=False`: no kernel windows (said under "not measured").
     Returns {run_id, bound, best, changes, text, ladder}."""
     if run_fn is None:
-        run_fn = _rungs_of_the_loop()
+        run_fn = rungs_of_the_loop()
     check_tracking_uri(cfg.tracking.uri)
     uri = cfg.tracking.uri or default_uri()
     with store_errors(uri):
@@ -1114,7 +1114,7 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         client.set_terminated(parent_id, status)
 
 
-def _rungs_of_the_loop() -> Callable[[object], dict]:
+def rungs_of_the_loop() -> Callable[[object], dict]:
     """The rungs as runs of the loop, in this process, sharing one dataset (MNIST's and CIFAR-10's
     files are read once, not once a rung) and one model's initial weights (built once: the
     compute-bound preset's took 2-3 s a rung), each `BuiltOnce`."""
