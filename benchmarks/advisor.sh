@@ -7,12 +7,16 @@
 #   DataLoader; and a torchvision resnet18 on CIFAR-10 fed by `pinned` (batch 64, no workers).
 # MNIST and CIFAR-10 are files of random pixels (`trainer.fake_data`): no download.
 # All eight run in one process (benchmarks/advisor_table.py), each under its own time limit, none
-# started past 325 s (340 s, less 15 for its start): on an H200 they took 10-57 s each, 275 s in all (docs/advisor.md), so
-# a slower host may see the last one stopped at the deadline; the table and the total come before 6 minutes.
+# started past 325 s (340 s, less 15 for its start): on two H200s they took 9-51 s each, 236 and 238 s in all
+# (docs/advisor.md), so a slower host may see the last one stopped at the deadline; the table and the total come
+# before 6 minutes.
 #   bash benchmarks/advisor.sh                  # the eight advisors and the table
 #   bash benchmarks/advisor.sh --sweep          # instead: the exhaustive sweep of every workload
-#                                               # (benchmarks/advisor_sweep.py, its own 6 minutes),
-#                                               # then the table again with its fastest rows
+#                                               # (benchmarks/advisor_sweep.py, its own 6 minutes; on a
+#                                               # fresh machine, bring the first command's
+#                                               # outputs/advisor.json: each best configuration is
+#                                               # timed in turns with the sweep's fastest), then the
+#                                               # table again with its fastest rows
 #   bash benchmarks/advisor.sh --window-cost    # then also what the kernel window costs the engine
 #                                               # against a plain loop, in turns (a few minutes more)
 # Writes outputs/advisor.md (the table, rewritten after each workload; .json beside it) and keeps

@@ -17,6 +17,7 @@ import copy
 import itertools
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,12 +39,17 @@ def main() -> int:
     p.add_argument("--retime", type=int, default=6,
                    help="time the jobs within 1.5x of a workload's fastest again for at least 250 ms of steps, "
                         "then the fastest until it is one so timed, at most N jobs (default 6)")
+    p.add_argument("--against", default=str(ROOT / "outputs" / "advisor.json"),
+                   help="the advisor table's JSON: each workload's best configuration is timed in turns with "
+                        "the sweep's fastest (default outputs/advisor.json, where it exists)")
+    p.add_argument("--turns", type=int, default=3, help="rounds of that comparison (default 3)")
     p.add_argument("--only", default="", help="comma-separated workload numbers (1-8), run in that order; default all")
     args = p.parse_args()
     start = time.perf_counter()
     from omegaconf import OmegaConf, open_dict
 
-    from trainer.tools.advisor import LEVERS, overrides_of, rungs_of_the_loop, setting, timed_steps, with_changes
+    from trainer.tools.advisor import (LEVERS, overrides_of, rungs_of_the_loop, setting, setting_of, timed_steps,
+                                       with_changes)
     run = rungs_of_the_loop()  # as the advisor's rungs run: one dataset and one model's initial weights for all
     ensure_data()
     uri = f"sqlite:///{(ROOT / 'outputs' / 'advisor_sweep.db').resolve()}"
@@ -52,6 +58,15 @@ def main() -> int:
     if not set(order) <= set(range(1, len(WORKLOADS) + 1)):
         p.error(f"--only: workload numbers are 1 to {len(WORKLOADS)}")
     results, seen = {}, {}
+    against = Path(args.against)
+    bests = ({row["label"]: (row.get("figures") or {}).get("best") for row in json.loads(against.read_text())["rows"]}
+             if against.is_file() else {})
+
+    def key_of(job) -> str:
+        """The job as run, but for its name and length: a job met in an earlier workload's grid
+        (the reference workloads share theirs) takes that grid's reading, re-timed or not."""
+        return OmegaConf.to_yaml({**{k: v for k, v in job.items() if k not in ("tracking", "engine")},
+                                  "engine": {k: v for k, v in job.engine.items() if k != "max_steps"}})
 
     def timed(job, steps: int, row: dict) -> None:
         """Run `job` for `steps` timed steps into `row` (its ms/step, how it ended, its seconds)."""
@@ -74,6 +89,42 @@ def main() -> int:
             row.update(ms_per_step=None, ended=f"refused: {' '.join(str(e).split())[:160]}")
         row["s"] = round(time.perf_counter() - began, 1)
 
+    def in_turns(label: str, base, best: str, fastest: dict) -> dict:
+        """The advisor's best configuration and the sweep's fastest job, timed in turns (`--turns`
+        rounds, the first to run alternating, each for at least MIN_TIMED_MS of steps): read
+        minutes apart on a host whose speed moves, a 0.12 ms step measured 0.116 in one call and
+        0.141 in another. Their ratio: the median of the rounds' ratios."""
+        try:
+            changes = setting_of(best.split())
+        except ValueError as e:
+            return {"best": best, "skipped": str(e)}
+        if "compile" in dict(changes):
+            return {"best": best, "skipped": "compiled: each run compiles anew (10-25 s a run)"}
+        jobs_ = {"best": with_changes(base, changes), "fastest": with_changes(base, setting_of(fastest["overrides"].split()))}
+        for name, job in jobs_.items():
+            with open_dict(job):
+                job.engine.kernel_window_steps = 0
+                job.engine.progress, job.engine.quiet = False, True
+                job.tracking.run_name = f"sweep {label}: in turns, {name}"
+        if key_of(jobs_["best"]) == key_of(jobs_["fastest"]):
+            return {"best": best, "same_job": True, "ratio": 1.0}
+        steps = timed_steps(args.steps, fastest["ms_per_step"])
+        readings = {"best": [], "fastest": []}
+        for i in range(args.turns):
+            pair = {}
+            for name in (("best", "fastest") if i % 2 == 0 else ("fastest", "best")):
+                pair[name] = {}
+                timed(copy.deepcopy(jobs_[name]), steps, pair[name])
+            if pair["best"].get("ms_per_step") and pair["fastest"].get("ms_per_step"):
+                for name in readings:
+                    readings[name].append(pair[name]["ms_per_step"])
+        ratios = [b / f for b, f in zip(readings["best"], readings["fastest"])]
+        ratio = statistics.median(ratios) if ratios else None
+        print(f"  {label}: {best} against {fastest['overrides']} in turns, {steps} steps: best {readings['best']}, "
+              f"fastest {readings['fastest']}: ratio {ratio}", file=sys.stderr, flush=True)
+        return {"best": best, "steps": steps, "best_ms": readings["best"], "fastest_ms": readings["fastest"],
+                "ratio": ratio}
+
     for number in order:  # in the order given: the most wanted first, in case the deadline comes
         label, _, _, overrides = WORKLOADS[number - 1]
         base = compose([*overrides, f"tracking.uri={uri}"])
@@ -85,10 +136,7 @@ def main() -> int:
                 job.engine.kernel_window_steps = 0
                 job.engine.progress, job.engine.quiet = False, True
                 job.tracking.run_name = f"sweep {label}: {' '.join(overrides_of(changes))}"
-            # The job as run, but for its name and length: a job met in an earlier workload's grid
-            # (the reference workloads share theirs) takes that grid's reading, re-timed or not.
-            key = OmegaConf.to_yaml({**{k: v for k, v in job.items() if k not in ("tracking", "engine")},
-                                     "engine": {k: v for k, v in job.engine.items() if k != "max_steps"}})
+            key = key_of(job)
             row = {"overrides": " ".join(overrides_of(changes))}
             if key in seen:
                 row.update(seen[key], shared=True)
@@ -125,6 +173,8 @@ def main() -> int:
         fastest = min(timed_rows, key=lambda r: r["ms_per_step"]) if timed_rows else None
         results[label] = {"fastest": fastest, "rows": rows, "run": len(timed_rows),
                           "of": len(rows), "lever keys": [LEVERS[k] for k in ("strategy", "graph", "optimizer")]}
+        if fastest is not None and bests.get(label):
+            results[label]["in_turns"] = in_turns(label, base, bests[label], fastest)
         out.write_text(json.dumps(results, indent=1))
     lines = ["| workload | jobs timed | fastest | its ms/step | slowest timed ms/step |", "|---|---:|---|---:|---:|"]
     for label, r in results.items():

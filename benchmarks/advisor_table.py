@@ -2,7 +2,9 @@
 process (no interpreter, import or CUDA start per workload), each with `--verify` and its own time
 limit, none started past `--deadline` seconds. Writes the table (rewritten after each workload) to
 `--markdown`; `benchmarks/advisor.sh` runs it. With `--sweep FILE` (advisor_sweep.py's JSON), the
-fastest row of the exhaustive sweep of each workload goes beside the advisor's best.
+fastest row of the exhaustive sweep of each workload goes beside the advisor's best, and their
+ratio: the one the sweep measured with the two in turns, where it did (`in_turns`), else the
+ratio of the two calls' readings.
 """
 from __future__ import annotations
 
@@ -58,6 +60,11 @@ def table(done: list, gpu: str, sweep: dict) -> str:
         # (no verdict: no configuration was chosen, so there is nothing to hold against the sweep)
         ratio = (f"{best_ms / fast['ms_per_step']:.2f}" if fast.get("ms_per_step") and math.isfinite(best_ms)
                  and f["bound"] != "none" else "—")
+        turns = grid.get("in_turns") or {}
+        if sweep.get(label) and turns.get("best") == f["best"] and turns.get("ratio") is not None:
+            # The two timed in turns in the sweep's process: the ratio that the host's drift between
+            # the two calls does not move (the same job: 1 by construction).
+            ratio = "1.00 (same job)" if turns.get("same_job") else f"{turns['ratio']:.2f} (in turns)"
         lines.append(
             f"| {label} | {cell(f['configured'])} | {f['bound']} | {f['miss']:+.0%} (±{f['miss_tolerance']:.0%}) | "
             f"{'yes' if f['caution'] else 'no'} | {f['best']} | {f['chain']} | {cell(f['best_predicted'])} | "

@@ -508,6 +508,19 @@ def _advise_cli(tmp_path, *args) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def test_a_setting_is_read_back_from_its_overrides():
+    """The table's best configuration (one line of overrides) becomes the Setting that makes it
+    again, every lever's value typed as the advisor set it; a key no lever moves is refused."""
+    for changes in (setting(strategy="gpu_resident", graph=True), setting(workers=0),
+                    setting(strategy="pinned_chunk", compile="default", optimizer="fused"),
+                    setting(graph=False, precision="bf16")):
+        assert advisor.setting_of(advisor.overrides_of(changes)) == changes
+    assert advisor.setting_of(["engine.optimizer.impl=fused", "loader=prefetch"]) == setting(strategy="prefetch",
+                                                                                               optimizer="fused")
+    with pytest.raises(ValueError, match="loader.batch_size=8: not a lever the advisor moves"):
+        advisor.setting_of(["loader.batch_size=8"])
+
+
 def test_overrides_stand_on_both_sides_of_an_option(tracking_uri, capsys):
     assert advisor.main(["loader=pinned", "--steps", "2", *TINY_NOOP, "loader.batch_size=32",
                          f"tracking.uri={tracking_uri}"]) == 0

@@ -119,6 +119,20 @@ def overrides_of(changes: Setting) -> List[str]:
     return [f"{LEVERS[lever]}={str(value).lower() if isinstance(value, bool) else value}" for lever, value in changes]
 
 
+def setting_of(overrides: Sequence[str]) -> Setting:
+    """The Setting that `overrides` make (`overrides_of`'s inverse): `["loader=gpu_resident",
+    "engine.cuda_graph=true"]` -> strategy gpu_resident, graph True. A key no lever has: ValueError."""
+    lever_of = {key: lever for lever, key in LEVERS.items()}
+    changes = {}
+    for override in overrides:
+        key, _, text = override.partition("=")
+        if key not in lever_of:
+            raise ValueError(f"{override}: not a lever the advisor moves (keys: {', '.join(LEVERS.values())})")
+        value: object = {"true": True, "false": False}.get(text, text)
+        changes[lever_of[key]] = int(text) if lever_of[key] == "workers" else value
+    return setting(**changes)
+
+
 def has_lever(cfg, lever: str) -> bool:
     """Whether the composed config has the lever's key (an engine before it: no)."""
     return OmegaConf.select(cfg, LEVERS[lever], default=_ABSENT) is not _ABSENT
