@@ -7,7 +7,7 @@
 #   DataLoader; and a torchvision resnet18 on CIFAR-10 fed by `pinned` (batch 64, no workers).
 # MNIST and CIFAR-10 are files of random pixels (`trainer.fake_data`): no download.
 # All eight run in one process (benchmarks/advisor_table.py), each under its own time limit, none
-# started past 325 s (340 s, less 15 for its start): on two H200s they took 9-51 s each, 236 and 238 s in all
+# started past 325 s (340 s, less 15 for its start): on three H200s they took 9-51 s each, 236-275 s in all
 # (docs/advisor.md), so a slower host may see the last one stopped at the deadline; the table and the total come
 # before 6 minutes.
 #   bash benchmarks/advisor.sh                  # the eight advisors and the table

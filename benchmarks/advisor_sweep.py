@@ -21,6 +21,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Dict, List, Optional
 
 from advisor_workloads import ROOT, WORKLOADS, compose, ensure_data, time_limit
 
@@ -28,6 +29,27 @@ STRATEGIES = ("baseline", "pinned", "prefetch", "pinned_chunk", "pinned_gather",
 GRAPH = (False, True)
 OPTIMIZER = ("default", "fused")
 RETIME_WITHIN = 1.5  # jobs this close to the fastest (first readings) are timed again, longer
+
+
+def finite(ms) -> bool:
+    """A reading that timed its steps (not None, not nan)."""
+    return ms is not None and math.isfinite(ms)
+
+
+def next_to_retime(first: Dict[str, float], now: Dict[str, float], retimed: List[str], most: int) -> Optional[str]:
+    """The next job to time again, longer (None: done): those within RETIME_WITHIN of the fastest
+    first reading, fastest first, at most `most - 1` of them (the last slot is the fastest's: a
+    grid with many jobs near its fastest still ends on a fastest that was timed long), then the
+    fastest by the readings `now` (a job's longer reading where it has one), until it is one
+    timed again. `first` and `now`: job -> ms/step, finite readings only."""
+    if not first or len(retimed) >= most:
+        return None
+    near = [k for k in sorted(first, key=first.get) if first[k] <= RETIME_WITHIN * min(first.values())]
+    for key in near[:most - 1]:
+        if key not in retimed:
+            return key
+    fastest = min(now, key=now.get, default=None)
+    return None if fastest is None or fastest in retimed else fastest
 
 
 def main() -> int:
@@ -42,7 +64,8 @@ def main() -> int:
     p.add_argument("--against", default=str(ROOT / "outputs" / "advisor.json"),
                    help="the advisor table's JSON: each workload's best configuration is timed in turns with "
                         "the sweep's fastest (default outputs/advisor.json, where it exists)")
-    p.add_argument("--turns", type=int, default=3, help="rounds of that comparison (default 3)")
+    p.add_argument("--turns", type=int, default=4,
+                   help="rounds of that comparison, each side first in half of them (default 4)")
     p.add_argument("--only", default="", help="comma-separated workload numbers (1-8), run in that order; default all")
     args = p.parse_args()
     start = time.perf_counter()
@@ -61,6 +84,14 @@ def main() -> int:
     against = Path(args.against)
     bests = ({row["label"]: (row.get("figures") or {}).get("best") for row in json.loads(against.read_text())["rows"]}
              if against.is_file() else {})
+
+    def named(job, name: str):
+        """`job` as the sweep runs it: no kernel window, no progress line, its run named."""
+        with open_dict(job):
+            job.engine.kernel_window_steps = 0
+            job.engine.progress, job.engine.quiet = False, True
+            job.tracking.run_name = f"sweep {name}"
+        return job
 
     def key_of(job) -> str:
         """The job as run, but for its name and length: a job met in an earlier workload's grid
@@ -91,31 +122,30 @@ def main() -> int:
 
     def in_turns(label: str, base, best: str, fastest: dict) -> dict:
         """The advisor's best configuration and the sweep's fastest job, timed in turns (`--turns`
-        rounds, the first to run alternating, each for at least MIN_TIMED_MS of steps): read
-        minutes apart on a host whose speed moves, a 0.12 ms step measured 0.116 in one call and
-        0.141 in another. Their ratio: the median of the rounds' ratios."""
+        rounds, each side first in half of them, each run for at least MIN_TIMED_MS of steps): read
+        minutes apart on a host whose speed moves, one 0.12 ms step measured 0.141 in the
+        advisor's call and 0.154 in the sweep's. Their ratio: the median of the rounds' ratios."""
+        if best == "as configured":
+            return {"best": best, "skipped": "the advisor found nothing faster than the job as configured"}
         try:
             changes = setting_of(best.split())
         except ValueError as e:
             return {"best": best, "skipped": str(e)}
         if "compile" in dict(changes):
             return {"best": best, "skipped": "compiled: each run compiles anew (10-25 s a run)"}
-        jobs_ = {"best": with_changes(base, changes), "fastest": with_changes(base, setting_of(fastest["overrides"].split()))}
-        for name, job in jobs_.items():
-            with open_dict(job):
-                job.engine.kernel_window_steps = 0
-                job.engine.progress, job.engine.quiet = False, True
-                job.tracking.run_name = f"sweep {label}: in turns, {name}"
+        jobs_ = {"best": named(with_changes(base, changes), f"{label}: in turns, best"),
+                 "fastest": named(with_changes(base, setting_of(fastest["overrides"].split())), f"{label}: in turns, fastest")}
         if key_of(jobs_["best"]) == key_of(jobs_["fastest"]):
             return {"best": best, "same_job": True, "ratio": 1.0}
         steps = timed_steps(args.steps, fastest["ms_per_step"])
         readings = {"best": [], "fastest": []}
         for i in range(args.turns):
             pair = {}
-            for name in (("best", "fastest") if i % 2 == 0 else ("fastest", "best")):
+            # ABBA...: over an even number of rounds each side runs first as often as the other.
+            for name in (("best", "fastest") if i % 4 in (0, 3) else ("fastest", "best")):
                 pair[name] = {}
                 timed(copy.deepcopy(jobs_[name]), steps, pair[name])
-            if pair["best"].get("ms_per_step") and pair["fastest"].get("ms_per_step"):
+            if all(finite(pair[name].get("ms_per_step")) for name in readings):
                 for name in readings:
                     readings[name].append(pair[name]["ms_per_step"])
         ratios = [b / f for b, f in zip(readings["best"], readings["fastest"])]
@@ -131,45 +161,42 @@ def main() -> int:
         rows, jobs = [], {}
         for strategy, graph, optimizer in itertools.product(STRATEGIES, GRAPH, OPTIMIZER):
             changes = setting(strategy=strategy, graph=graph, optimizer=optimizer)
-            job = with_changes(base, changes)
-            with open_dict(job):
-                job.engine.kernel_window_steps = 0
-                job.engine.progress, job.engine.quiet = False, True
-                job.tracking.run_name = f"sweep {label}: {' '.join(overrides_of(changes))}"
+            job = named(with_changes(base, changes), f"{label}: {' '.join(overrides_of(changes))}")
             key = key_of(job)
             row = {"overrides": " ".join(overrides_of(changes))}
-            if key in seen:
-                row.update(seen[key], shared=True)
+            if key in seen:  # that grid's reading, re-timed or not: that grid was done before this one began
+                row.update({k: v for k, v in seen[key].items() if k != "overrides"}, shared=True)
             else:
                 timed(job, args.steps, row)
-                if "s" in row:
-                    seen[key], jobs[key] = {k: row[k] for k in ("ms_per_step", "ended")}, (job, row)
+                if "s" in row:  # it ran (a job the deadline left out has no seconds, and no reading to share)
+                    seen[key], jobs[key] = row, (job, row)
                     print(f"  {label}: {row['overrides']}: {row['ms_per_step'] or '—'} ({row['ended']}, {row['s']} s)",
                           file=sys.stderr, flush=True)
             rows.append(row)
         # The fast jobs again, each for at least MIN_TIMED_MS of timed steps: 60 steps of a 0.12 ms
         # step are 7 ms of a host whose speed moves (the MNIST MLP's graphed rows read 0.16 to 0.25
-        # ms/step so on an H200, where 600 steps of the same read 0.116), and the fastest of 28
-        # such readings is the luckiest, not the fastest configuration. Those within RETIME_WITHIN
-        # of the fastest first, then the fastest until it is one so timed (at most --retime jobs);
-        # the longer reading stands.
-        retimed, first = [], {k: r["ms_per_step"] for k, (_, r) in jobs.items() if r.get("ms_per_step")}
-        near = [k for k in sorted(first, key=first.get) if first[k] <= RETIME_WITHIN * min(first.values())]
-        while len(retimed) < args.retime:
-            now = {k: jobs[k][1]["ms_per_step"] for k in first if jobs[k][1].get("ms_per_step")}
-            key = next((k for k in near if k not in retimed), None) or min(now, key=now.get, default=None)
-            if key is None or key in retimed or timed_steps(args.steps, first[key]) <= args.steps:
-                break  # none timed, or the fastest timed long enough already
+        # ms/step so on an H200, where the advisor's runs of the same, 1,000 steps each, read 0.116),
+        # and the fastest of 28 such readings is the luckiest, not the fastest configuration
+        # (`next_to_retime` says which, at most --retime jobs). The longer reading stands; one that
+        # did not come (the deadline, a failure) leaves the first.
+        first = {k: r["ms_per_step"] for k, (_, r) in jobs.items() if finite(r.get("ms_per_step"))}
+        retimed: List[str] = []
+        while args.deadline - (time.perf_counter() - start) >= 5:
+            now = {k: jobs[k][1]["ms_per_step"] for k in first}
+            key = next_to_retime(first, now, retimed, args.retime)
+            if key is None or timed_steps(args.steps, first[key]) <= args.steps:
+                break  # done, or the next is timed long enough already (a slow step: 60 of them are)
             retimed.append(key)
             job, row = jobs[key]
             steps, again = timed_steps(args.steps, first[key]), {}
             timed(job, steps, again)
-            row.update(first_ms_per_step=first[key], ms_per_step=again.get("ms_per_step"), steps=steps,
-                       ended=again["ended"])
-            seen[key]["ms_per_step"] = row["ms_per_step"]
-            print(f"  {label}: {row['overrides']}, again for {steps} steps: {row['ms_per_step'] or '—'} "
+            if finite(again.get("ms_per_step")):
+                row.update(first_ms_per_step=first[key], ms_per_step=again["ms_per_step"], steps=steps)
+            else:
+                row["retime_ended"] = again["ended"]
+            print(f"  {label}: {row['overrides']}, again for {steps} steps: {again.get('ms_per_step') or '—'} "
                   f"({again['ended']}, {again.get('s', 0)} s)", file=sys.stderr, flush=True)
-        timed_rows = [r for r in rows if r.get("ms_per_step") and math.isfinite(r["ms_per_step"])]
+        timed_rows = [r for r in rows if finite(r.get("ms_per_step"))]
         fastest = min(timed_rows, key=lambda r: r["ms_per_step"]) if timed_rows else None
         results[label] = {"fastest": fastest, "rows": rows, "run": len(timed_rows),
                           "of": len(rows), "lever keys": [LEVERS[k] for k in ("strategy", "graph", "optimizer")]}
@@ -178,10 +205,10 @@ def main() -> int:
         out.write_text(json.dumps(results, indent=1))
     lines = ["| workload | jobs timed | fastest | its ms/step | slowest timed ms/step |", "|---|---:|---|---:|---:|"]
     for label, r in results.items():
-        timed = [row["ms_per_step"] for row in r["rows"] if row.get("ms_per_step")]
+        readings = [row["ms_per_step"] for row in r["rows"] if finite(row.get("ms_per_step"))]
         fast = r["fastest"] or {}
         lines.append(f"| {label} | {r['run']} of {r['of']} | {fast.get('overrides', '—')} | "
-                     f"{fast.get('ms_per_step', math.nan):.3f} | {max(timed, default=math.nan):.3f} |")
+                     f"{fast.get('ms_per_step', math.nan):.3f} | {max(readings, default=math.nan):.3f} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"total: {time.perf_counter() - start:.0f} s")

@@ -800,6 +800,36 @@ def test_a_feed_alone_slower_than_the_whole_run_is_measured_again(tracking_uri, 
     assert ladder_.ceiling_eager == 0.6 and ladder_.tolerance == advisor.MAX_TOLERANCE
 
 
+def test_only_the_part_that_contradicts_the_run_falls_back_to_its_faster_reading(tracking_uri, monkeypatch):
+    """The feed alone measured 28 and 30 ms where the whole run took 5.6 (a contradiction: its
+    faster reading stands), while the eager ceiling's pair, 5.8 and 6.2, is above the run by less
+    than the rungs' noise: it says nothing against the run, and its mean stays."""
+    monkeypatch.setattr(advisor, "_is_cuda", lambda cfg: True)
+    monkeypatch.setattr(advisor, "_gpu_name", lambda: "Simulated GPU")
+    feeds, eagers = iter([28.0, 30.0]), iter([5.8, 6.2])
+
+    def run_fn(cfg):
+        summary = simulated_gpu(cfg)
+        if cfg.tracking.run_name in ("advise: feed alone", "advise: feed alone, again"):
+            summary["ms_per_step"] = next(feeds)
+        if cfg.tracking.run_name in ("advise: ceiling, eager", "advise: ceiling, eager, again"):
+            summary["ms_per_step"] = next(eagers)
+        return summary
+
+    cfg = compose_config("dataset.num_samples=96", "dataset.shape=[8,8]", "loader.batch_size=16", "engine.warmup_steps=5",
+                         f"tracking.uri={tracking_uri}")
+    ladder_ = advisor.advise(cfg, steps=10, verify=False, run_fn=run_fn, log=lambda line: None, kernels=False)["ladder"]
+    assert ladder_.feed == 28.0 and ladder_.ceiling_eager == pytest.approx(6.0)
+
+
+def test_a_verified_run_is_timed_for_at_least_a_quarter_second_at_its_predicted_pace():
+    """100 steps of a 0.12 ms step are 12 ms: such a configuration runs 250 ms of steps, at most
+    ten times the rungs' count; a slow one, or one with no prediction, the rungs' count."""
+    assert advisor.timed_steps(100, 0.5) == 500 and advisor.timed_steps(100, 0.12) == 1000
+    assert advisor.timed_steps(100, 7.0) == 100 and advisor.timed_steps(100, 2.5) == 100
+    assert advisor.timed_steps(100, math.nan) == advisor.timed_steps(100, 0.0) == 100
+
+
 def test_the_feed_alone_is_measured_first_and_last_and_its_drift_widens_the_runs_tolerance(tracking_uri, monkeypatch):
     """A feed made by Python on the loop's thread measures 20-40% apart from one run to the next
     on a GPU host: measured first and last, the feed is their mean, and their distance how far
@@ -999,3 +1029,57 @@ def test_a_config_error_every_trial_would_hit_is_refused_once_before_the_study(t
     assert re.fullmatch(rf"error: {line} \(the study ran no trial: every trial of this sweep would stop on it\)\n",
                         proc.stderr), proc.stderr[-3000:]
     assert MlflowClient(tracking_uri).search_runs(_experiments(tracking_uri)) == []  # no trial, no empty sweep
+
+
+# ----------------------------------------------------------------------------- the sweep it is checked against
+def _benchmark(name: str, monkeypatch):
+    """A script of benchmarks/ as a module (its sibling imports found as when it runs)."""
+    import importlib.util
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(folder))
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_sweep_times_again_the_jobs_near_its_fastest_then_the_fastest_until_it_was_timed_long(monkeypatch):
+    """First readings a: 1.0, b: 1.4, c: 1.6 (over 1.5x), d: 1.2. The jobs within 1.5x of the
+    fastest go first, fastest first, one slot short of the cap; then the fastest by the readings
+    so far, until it is one timed again: here every near job read slower timed longer, so c,
+    never near, is timed again too."""
+    sweep = _benchmark("advisor_sweep", monkeypatch)
+    first = {"a": 1.0, "b": 1.4, "c": 1.6, "d": 1.2}
+    order, now = [], dict(first)
+    longer = {"a": 1.7, "b": 1.8, "c": 1.65, "d": 1.75}  # every near job slower, timed longer
+    while (key := sweep.next_to_retime(first, now, order, most=6)) is not None:
+        order.append(key)
+        now[key] = longer[key]
+    assert order == ["a", "d", "b", "c"]
+    # With the cap at 3, two near jobs, and the last slot for the fastest by then: b (1.4).
+    order, now = [], dict(first)
+    while (key := sweep.next_to_retime(first, now, order, most=3)) is not None:
+        order.append(key)
+        now[key] = longer[key]
+    assert order == ["a", "d", "b"]
+    assert sweep.next_to_retime({}, {}, [], most=6) is None
+    assert not sweep.finite(None) and not sweep.finite(math.nan) and sweep.finite(0.5)
+
+
+def test_the_table_takes_the_ratio_measured_in_turns_where_the_sweep_has_one(monkeypatch):
+    """Best ÷ fastest: the sweep's ratio of the two timed in turns for that workload's own grid;
+    1 where they are the same job; elsewhere (a grid shared with another workload, a compiled
+    best) the ratio of the two commands' readings."""
+    table = _benchmark("advisor_table", monkeypatch)
+    figures = {"configured": 20.0, "bound": "input", "miss": 0.1, "miss_tolerance": 0.2, "caution": False,
+               "best": "loader=pinned_chunk engine.cuda_graph=true", "chain": "input → launch", "best_predicted": 2.0,
+               "best_measured": 2.1, "top": "loader=pinned_chunk", "top_predicted": 8.0, "top_measured": 8.2}
+    rows = [{"label": label, "figures": figures, "took": 10.0, "ended": "finished"}
+            for label in ("CIFAR-10 resnet18, pinned, 0 workers", "reference, baseline", "reference, pinned")]
+    fastest = {"overrides": "loader=pinned_gather engine.cuda_graph=true", "ms_per_step": 2.0}
+    sweep = {"CIFAR-10 resnet18, pinned, 0 workers": {"fastest": fastest, "in_turns": {
+                 "best": figures["best"], "ratio": 1.002}},
+             "reference, baseline": {"fastest": fastest, "in_turns": {"best": figures["best"], "same_job": True,
+                                                                       "ratio": 1.0}}}
+    cells = [line.split(" | ") for line in table.table(rows, "Simulated GPU", sweep).splitlines() if line.startswith("| ")][1:]
+    assert [c[12] for c in cells] == ["1.00 (in turns)", "1.00 (same job)", "1.05"]

@@ -62,10 +62,10 @@ from trainer.tracking.store import check_tracking_uri, default_uri, experiment_i
 BOUNDS = ("input", "copy", "launch", "compute", "none")  # none: the rungs contradict each other, no verdict
 IN_LINE = ("baseline", "pinned")  # strategies that copy on the compute stream: the copy and the step take turns there
 MIN_TOLERANCE, MAX_TOLERANCE = 0.03, 0.20  # "within a few percent": the ceiling's own jitter, kept in these bounds
-# A verified configuration runs at least this long in its timed steps (at most MOST_STEPS times the
+# A verified configuration runs at least this long in its timed steps (at most MOST_TIMES_STEPS times the
 # rungs' steps): 100 steps of a 0.12 ms graphed step are 12 ms of a host whose speed moves, and two
 # such runs measured 22% apart on an H200.
-MIN_TIMED_MS, MOST_STEPS = 250.0, 10
+MIN_TIMED_MS, MOST_TIMES_STEPS = 250.0, 10
 # The configured run is measured again, last, where its timed steps took less than this: a longer
 # run has seen the host's drift already (64 workers on 16 cores: 9 s for 50 steps).
 AGAIN_UNDER_MS = 5000.0
@@ -324,10 +324,11 @@ def miss_tolerance(ladder: Ladder) -> float:
     or where wider, at most `MAX_TOLERANCE`: the configured run's own 95% interval (a run on a host
     whose speed moves: the interval of an asynchronous run of a few steps reads the host's clock
     running ahead of the device, and can span more than the run itself), its own drift or the
-    feed's (each measured first and last), or twice the eager step's. The last, because one run is held against the mean of two runs of its step,
-    d apart: with the host's noise normal, a third run lands within 2d of their mean about 3 times
-    in 4 (2/pi atan(2 / sqrt(0.75))); the caution is for what the drift the ladder saw explains
-    less well than that."""
+    feed's (each measured first and last), or twice the eager step's. The last, because the run
+    and its parts are read at other moments of a host whose speed moved by d between two readings
+    of one step: with its noise normal, a reading lands within 2d of the mean of two others about
+    3 times in 4 (2/pi atan(2 / sqrt(0.75))); the caution is for what the drift the ladder saw
+    explains less well than that."""
     widest = max(ladder.configured_spread, ladder.configured_drift, ladder.feed_drift, 2 * ladder.drift)
     return max(ladder.tolerance, min(widest, MAX_TOLERANCE))
 
@@ -409,15 +410,22 @@ def _contradiction(ladder: Ladder) -> str:
     a shared machine may come out a few percent under its ceiling). A part cannot take longer than
     the whole, so the rungs ran at different speeds of the host (a shared or throttled machine),
     and any verdict drawn from them would contradict their own figures."""
-    t, margin = ladder.configured, max(ladder.tolerance, MAX_TOLERANCE)
+    t = ladder.configured
     parts = [(f"its step fed from the device ({ladder.ceiling:.3g})", ladder.ceiling),
              (f"its feed with no model ({ladder.feed:.3g})", ladder.feed)]
-    slower = [name for name, ms in parts if math.isfinite(ms) and math.isfinite(t) and t < (1 - margin) * ms]
+    slower = [name for name, ms in parts if _outruns(ladder, ms)]
     if not slower:
         return ""
     return (f"no verdict: the run took {t:.3g} ms/step, less than {' and '.join(slower)} alone, and a part cannot "
             f"take longer than the whole: the host's speed changed between the rungs (other programs on a shared "
             f"machine, or throttling); run again on a quiet machine")
+
+
+def _outruns(ladder: Ladder, part_ms: float) -> bool:
+    """The run measured faster than a part of it alone (`part_ms`) by more than the rungs' noise
+    can explain: the tolerance, and at least `MAX_TOLERANCE`."""
+    t, margin = ladder.configured, max(ladder.tolerance, MAX_TOLERANCE)
+    return math.isfinite(part_ms) and math.isfinite(t) and t < (1 - margin) * part_ms
 
 
 def _feed_bound(ladder: Ladder, feeding: float) -> str:
@@ -749,31 +757,32 @@ class Advisor:
         How far apart the ceilings are (`drift`) widens the tolerance, the steps' as the run's; the
         run's and the feeds' (`configured_drift`, `feed_drift`) only how far the run may be from
         the model (`miss_tolerance`): their noise says nothing of whether a step is set by its launches."""
-        eager = feed = run = None
+        eager_again = feed_again = run_again = None
         if math.isfinite(ladder.ceiling_eager):
-            eager = _timed(self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")[0])
+            eager_again = _timed(self.measure(with_values(ceiling, **{LEVERS["graph"]: False}), "ceiling, eager, again")[0])
         if math.isfinite(ladder.feed):
-            feed = _timed(self.measure(noop_feed(self.cfg), "feed alone, again")[0])
+            feed_again = _timed(self.measure(noop_feed(self.cfg), "feed alone, again")[0])
         if ladder.configured * self.steps < AGAIN_UNDER_MS:
-            run = _timed(self.measure(self.cfg, "configured, again")[0])
-        if run is not None:
-            ladder.configured_drift = _apart(ladder.configured, run["ms_per_step"])
-            ladder.configured = (ladder.configured + run["ms_per_step"]) / 2
-            ladder.configured_wait = _mean(ladder.configured_wait, _wait(run))
-            ladder.configured_spread = max(ladder.configured_spread, _spread(run))
+            run_again = _timed(self.measure(self.cfg, "configured, again")[0])
+        if run_again is not None:
+            ladder.configured_drift = _apart(ladder.configured, run_again["ms_per_step"])
+            ladder.configured = (ladder.configured + run_again["ms_per_step"]) / 2
+            ladder.configured_wait = _mean(ladder.configured_wait, _wait(run_again))
+            ladder.configured_spread = max(ladder.configured_spread, _spread(run_again))
         eagers = feeds = None
-        if eager is not None:
-            eagers = (ladder.ceiling_eager, eager["ms_per_step"])
+        if eager_again is not None:
+            eagers = (ladder.ceiling_eager, eager_again["ms_per_step"])
             ladder.drift = _apart(*eagers)
             ladder.ceiling_eager = sum(eagers) / 2
             ladder.tolerance = min(MAX_TOLERANCE, max(ladder.tolerance, ladder.drift))
-        if feed is not None:
-            feeds = ((ladder.feed, ladder.feed_loop), (feed["ms_per_step"], _loop_ms(feed)))
+        if feed_again is not None:
+            feeds = ((ladder.feed, ladder.feed_loop), (feed_again["ms_per_step"], _loop_ms(feed_again)))
             ladder.feed_drift = _apart(feeds[0][0], feeds[1][0])
             ladder.feed, ladder.feed_loop = (feeds[0][0] + feeds[1][0]) / 2, _mean(feeds[0][1], feeds[1][1])
-        if eagers and not ladder.graphed and _contradiction(ladder) and ladder.ceiling_eager > ladder.configured:
+        # Each part against the run on its own: a feed that contradicts it says nothing of the step's pair.
+        if eagers and not ladder.graphed and _outruns(ladder, ladder.ceiling_eager):
             ladder.ceiling_eager = min(eagers)
-        if feeds and _contradiction(ladder) and ladder.feed > ladder.configured:
+        if feeds and _outruns(ladder, ladder.feed):
             ladder.feed, ladder.feed_loop = min(feeds)
 
     def _step_levers(self, ladder: Ladder, ceiling) -> None:
@@ -828,14 +837,15 @@ class Advisor:
 
     def verify(self, changes: Sequence[Change], drift: float = 0.0, twice: int = 2) -> None:
         """Run each change as the configured run was run: its measured ms/step. Where the host's
-        speed moved during the ladder (`drift`, the eager ceiling measured first and last, beyond
-        the minimum tolerance), the first `twice` distinct configurations (the best and the top
+        speed moved during the ladder (`drift`: how far apart a rung measured first and last came
+        out, beyond the minimum tolerance), the first `twice` distinct configurations (the best and the top
         change, what the user is told first; the next change where those two are one) run twice,
         in turns (the second pass in reverse order), and measure the mean of their two runs: one
         run on such a host reads its drift as the model's miss (an eager step on an H200 host: 1.6
         to 2.2 ms/step in ten runs in a row). Each runs for at least `MIN_TIMED_MS` of timed steps
         at its predicted pace (`timed_steps`): a fast configuration's 100 steps are a moment."""
         order = list(dict.fromkeys(c.changes for c in changes))  # each configuration once a pass
+        # (reversed: a configuration listed twice is sized by its first listing, the best's prediction)
         expect = {c.changes: c.predicted_ms for c in reversed(changes)}
         runs: Dict[Setting, List[float]] = {c: [] for c in order}
         again = order[:twice] if drift > MIN_TOLERANCE else []
@@ -879,10 +889,10 @@ def _timed(summary: Optional[dict]) -> Optional[dict]:
 
 def timed_steps(steps: int, expect_ms: float) -> int:
     """Timed steps for a run expected at `expect_ms` a step: `steps`, or as many as fill
-    `MIN_TIMED_MS` where more, at most `MOST_STEPS` times `steps`."""
+    `MIN_TIMED_MS` where more, at most `MOST_TIMES_STEPS` times `steps`."""
     if not (math.isfinite(expect_ms) and expect_ms > 0):
         return steps
-    return max(steps, min(MOST_STEPS * steps, math.ceil(MIN_TIMED_MS / expect_ms)))
+    return max(steps, min(MOST_TIMES_STEPS * steps, math.ceil(MIN_TIMED_MS / expect_ms)))
 
 
 def _apart(first: float, second: float) -> float:
@@ -1109,7 +1119,9 @@ def advise(cfg, steps: int, verify: bool, overrides: Sequence[str] = (), run_fn:
         options = reachable(ladder, verdict)
         top, changes = best(ladder, verdict, options), recommend(ladder, options)
         if verify:
-            advisor.verify([*([top] if top else []), *changes], drift=ladder.drift)
+            # Twice in turns where any rung measured twice moved: the step's, the feed's or the run's.
+            advisor.verify([*([top] if top else []), *changes],
+                           drift=max(ladder.drift, ladder.feed_drift, ladder.configured_drift))
         if kernels:
             advisor.kernels(ladder)
         else:
