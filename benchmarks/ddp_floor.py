@@ -1,27 +1,50 @@
-"""The multi_gpu preset's step written by hand with DDP, as a user writes it: how fast several GPUs
-train the reference autoencoder when nothing feeds them (CUDA only; run under torchrun).
+"""The multi_gpu preset's step written by hand, as a user writes it, with each way of averaging the
+gradients over the ranks: how fast several GPUs train the reference autoencoder when nothing
+feeds them, and where a step's time goes (CUDA only; run under torchrun).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_floor.py [--steps 20] [--blocks 15]
-        [--bind] [--threads N] [--bucket-mb 25] [--impl default|fused]
+    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_floor.py [--sync ddp|allreduce|none|ddp-nocomm]
+        [--graph] [--steps 20] [--blocks 15] [--bind] [--threads N] [--bucket-mb 25]
+        [--impl default|fused] [--turns R] [--profile]
 
 Each rank holds 1000/N samples of 256x256 float32 on its GPU (the preset's dataset split over the
 ranks; here random, the same on every rank), shuffles them every epoch on the device, and runs
 `optimizer.zero_grad(); loss.backward(); optimizer.step()` on batches of 64 (Adam, lr 1e-3,
-torch's default implementation, as the preset), the model wrapped in DistributedDataParallel
-(`bucket_cap_mb` as the preset) on several ranks, left bare on one (as a user with one GPU runs
-it). It drops each epoch's partial batch; compare its ms/step with the runs' `median_step_ms`
-(the partial batch is a minority of steps). After 30 warm-up steps, `--blocks` blocks of
-`--steps` steps, each timed with CUDA events at its ends (the device synchronised between
-blocks, never inside one). `--bind` pins each rank to its own share of the host's cores (its
-local rank's slice of the cores this process may use); `--threads` sets torch's intra-op threads
-(torchrun sets 1 per rank on several). Rank 0 prints one JSON line: the world size, each rank's
-median ms/step over the blocks and their range, samples/s of all ranks at those medians, the
-GPU, torch's version and the date.
+torch's default implementation, as the preset). How the gradients are averaged (`--sync`):
+- `ddp`: the model wrapped in DistributedDataParallel (`bucket_cap_mb` as the preset), as a
+  user with several GPUs writes it; one GPU runs the bare model;
+- `allreduce`: no DDP: every gradient is a view of one flat buffer, zeroed before backward, and
+  after backward one `all_reduce(flat, AVG)` averages them all (what DDP does, in one bucket,
+  without its per-parameter hooks, its bucket copies and its Python forward);
+- `none`: each rank trains alone, nothing exchanged: what several processes cost each other on
+  this host (cores, memory, the driver) without any collective;
+- `ddp-nocomm`: DDP with a communication hook that returns the bucket as it is: DDP's own work on
+  the host, without the exchange or the wait for the other ranks.
+`--graph` captures the step (forward, backward, the exchange, the optimizer's update) in one CUDA
+graph after 11 eager warm-up steps (DDP's bucket rebuild happens in the first ones), then replays
+it; the batch is copied into the graph's input first, as the engine's graphed step does.
+
+It drops each epoch's partial batch; compare its ms/step with the runs' `median_step_ms` (the
+partial batch is a minority of steps). After 30 warm-up steps, `--blocks` blocks of `--steps`
+steps, each timed with CUDA events at its ends (the device synchronised between blocks, never
+inside one), and on the host: `host_ms_per_step` is the time the host took to issue a block's
+steps, so a step whose GPU time equals it was set by the host. `--bind` pins each rank to its
+own share of the host's cores (its local rank's slice of the cores this process may use);
+`--threads` sets torch's intra-op threads (torchrun sets 1 per rank on several). `--turns R`
+(several GPUs) times, R times in turns, rank 0 training a model of its own alone (the others
+waiting in a gloo barrier) and then every rank with the exchange: `efficiency_in_turns` is the
+median of alone ÷ all (the slowest rank), a scaling figure that the host's drift between two
+launches does not move. `--profile`
+adds, from torch's profiler over 20 more steps of rank 0, the host operators that took the most
+of its time and the host's waits on the device. Rank 0 prints one JSON line: the world size,
+each rank's median ms/step over the blocks and their range, samples/s of all ranks at those
+medians, the GPU, torch's version and the date.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import os
 import statistics
@@ -33,6 +56,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+SYNCS = ("ddp", "allreduce", "none", "ddp-nocomm")
+WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaStreamQuery")
+
 
 def bind(local_rank: int, local_size: int) -> list:
     """This rank's slice of the cores the process may use, as the process's affinity."""
@@ -43,15 +69,152 @@ def bind(local_rank: int, local_size: int) -> list:
     return mine
 
 
+def _no_exchange(state, bucket):
+    """A DDP communication hook that averages nothing: the bucket as it is, as a finished future."""
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class FlatGrads:
+    """Every gradient a view of one flat buffer: zeroed before backward (one kernel), averaged over
+    the ranks after it (one all-reduce). Backward adds into the views in place."""
+
+    def __init__(self, params, world_size: int):
+        self.params, self.world_size = list(params), world_size
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), device=self.params[0].device)
+        at = 0
+        for p in self.params:
+            p.grad = self.flat[at:at + p.numel()].view_as(p)
+            at += p.numel()
+
+    def zero(self):
+        self.flat.zero_()
+
+    def average(self):
+        if self.world_size == 1:
+            return
+        if self.flat.is_cuda:
+            dist.all_reduce(self.flat, op=dist.ReduceOp.AVG)
+        else:  # gloo has no AVG
+            dist.all_reduce(self.flat)
+            self.flat.div_(self.world_size)
+
+
+def profile_summary(step, rank: int, steps: int = 20) -> dict:
+    """Rank 0's host operators over `steps` steps, which every rank runs (their collectives wait for
+    each other): the ten with most self time, and the host's waits on the device, in ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    if rank != 0:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        return {}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+    waits = {e.key: round(e.self_cpu_time_total / 1000 / steps, 4) for e in events if e.key in WAITS}
+    return {"top_host_ops_ms_per_step": {e.key: round(e.self_cpu_time_total / 1000 / steps, 4) for e in top},
+            "host_waits_ms_per_step": waits,
+            "launches_per_step": round(sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC",
+                                                                               "cuLaunchKernel", "cuLaunchKernelEx")) / steps, 1)}
+
+
+def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.device):
+    """One training step of `model` over `feed`, its gradients averaged as `how` says (`SYNCS`, or
+    `none`), eager or captured as a CUDA graph (`args.graph`): returns `step()`."""
+    params = list(model.parameters())
+    flat = None
+    cuda = device.type == "cuda"
+    # A graph's warm-up and capture run on a side stream; DDP made on it too, as PyTorch's
+    # CUDA-graph notes ask for DDP.
+    side = torch.cuda.Stream(device) if args.graph else None
+    with torch.cuda.stream(side) if args.graph else contextlib.nullcontext():
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(device))
+        if how in ("ddp", "ddp-nocomm"):
+            model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb)
+            if how == "ddp-nocomm":
+                model.register_comm_hook(None, _no_exchange)
+        elif how == "allreduce":
+            flat = FlatGrads(params, size)
+    if side is not None:
+        torch.cuda.current_stream(device).wait_stream(side)
+    kwargs = {"fused": True} if args.impl == "fused" else {}
+    optimizer = torch.optim.Adam(params, lr=1e-3, capturable=args.graph, **kwargs)
+
+    def train(x, captured=False):
+        if flat is not None:
+            flat.zero()
+        elif not captured:  # a graph's gradients are None at capture: backward writes them afresh
+            optimizer.zero_grad()
+        loss = F.mse_loss(model(x), x)
+        loss.backward()
+        if flat is not None:
+            flat.average()
+        optimizer.step()
+
+    if not args.graph:
+        return lambda: train(next(feed))
+    static_x = next(feed).clone()
+    with torch.cuda.stream(side):
+        for _ in range(11):
+            train(static_x)
+    torch.cuda.current_stream(device).wait_stream(side)
+    if flat is None:
+        optimizer.zero_grad(set_to_none=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train(static_x, captured=True)
+
+    def replay():
+        static_x.copy_(next(feed))
+        graph.replay()
+    return replay
+
+
+def timed(step, blocks: int, steps: int, cuda: bool, each: bool = False):
+    """`blocks` blocks of `steps` steps, each timed with CUDA events at its ends (the host's clock
+    without a GPU): (median ms/step, fastest, slowest, median host ms/step to issue a block), or
+    with `each` the blocks' ms/step and the host's."""
+    out, host = [], []
+    for _ in range(blocks):
+        t0 = time.perf_counter()
+        if cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+        for _ in range(steps):
+            step()
+        host.append((time.perf_counter() - t0) * 1000 / steps)
+        if cuda:
+            end.record()
+            end.synchronize()
+            out.append(begin.elapsed_time(end) / steps)
+        else:
+            out.append(host[-1])
+    if each:
+        return out, host
+    return statistics.median(out), min(out), max(out), statistics.median(host)
+
+
 def main(argv=None) -> None:
     """Train and time; rank 0 prints the JSON line."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sync", choices=SYNCS, default="ddp", help="how the ranks average the gradients")
+    p.add_argument("--graph", action="store_true", help="capture the step in a CUDA graph and replay it")
     p.add_argument("--steps", type=int, default=20, help="steps per timed block")
     p.add_argument("--blocks", type=int, default=15, help="timed blocks")
     p.add_argument("--bind", action="store_true", help="pin each rank to its share of the cores")
     p.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: as launched)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb")
     p.add_argument("--impl", choices=("default", "fused"), default="default", help="Adam's implementation")
+    p.add_argument("--profile", action="store_true", help="rank 0's host operators and waits, from torch's profiler")
+    p.add_argument("--turns", type=int, default=0, help="rounds of rank 0 alone, then every rank, in turns")
     args = p.parse_args(argv)
     start = time.perf_counter()
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -59,18 +222,20 @@ def main(argv=None) -> None:
     cores = bind(local_rank, local_size) if args.bind else sorted(os.sched_getaffinity(0))
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda", local_rank)
-    torch.cuda.set_device(device)
+    cuda = torch.cuda.is_available()  # without a GPU (a check of this script), gloo on the CPU, host clocks
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    elif args.graph or args.profile:
+        raise SystemExit("--graph and --profile need a GPU")
     if size > 1:
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     torch.manual_seed(0)
     data = torch.randn(1000 // size, 256 * 256, device=device)
     d, hidden = 256 * 256, 64
-    model = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, 3),
-                          nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, d)).to(device)
-    if size > 1:
-        model = DistributedDataParallel(model, device_ids=[local_rank], bucket_cap_mb=args.bucket_mb)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, **({"fused": True} if args.impl == "fused" else {}))
+    bare = nn.Sequential(nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, 3),
+                         nn.Linear(3, hidden), nn.ReLU(), nn.Linear(hidden, d)).to(device)
+    solo = copy.deepcopy(bare) if args.turns and size > 1 else None  # --turns: rank 0's step alone, with a model of its own
     generator = torch.Generator(device=device).manual_seed(0)
     batch = 64
 
@@ -81,27 +246,34 @@ def main(argv=None) -> None:
                 yield data[order[i * batch:(i + 1) * batch]]
 
     feed = batches()
-
-    def step():
-        x = next(feed)
-        optimizer.zero_grad()
-        loss = F.mse_loss(model(x), x)
-        loss.backward()
-        optimizer.step()
-
+    step = make_step(bare, args.sync if size > 1 else "none", args, size, feed, device)
+    alone = make_step(solo, "none", args, size, feed, device) if solo is not None and rank == 0 else None
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(30):
         step()
-    torch.cuda.synchronize()
-    blocks = []
-    for _ in range(args.blocks):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(args.steps):
-            step()
-        end.record()
-        end.synchronize()
-        blocks.append(begin.elapsed_time(end) / args.steps)
-    mine = torch.tensor([statistics.median(blocks), min(blocks), max(blocks)], device=device)
+        if alone is not None:
+            alone()
+    sync()
+    turns = []
+    if args.turns and size > 1:
+        # In turns, so that both figures share the host's state of the moment: rank 0 alone while the
+        # others wait in a gloo barrier (blocked on a socket, not spinning), then every rank.
+        idle = dist.new_group(backend="gloo")
+        for _ in range(args.turns):
+            one = timed(alone, 5, args.steps, cuda) if rank == 0 else None
+            dist.barrier(group=idle)
+            every = timed(step, 5, args.steps, cuda)
+            slowest = [0.0] * size
+            dist.all_gather_object(slowest, every[0], group=idle)
+            if rank == 0:
+                turns.append((one[0], max(slowest)))
+    blocks, host = timed(step, args.blocks, args.steps, cuda, each=True)
+    profiled = profile_summary(step, rank) if args.profile else {}
+    mine = torch.tensor([statistics.median(blocks), min(blocks), max(blocks), statistics.median(host)], device=device)
+    in_turns = {}
+    if turns:
+        in_turns = {"turns_ms_alone_then_all": [[round(a, 3), round(b, 3)] for a, b in turns],
+                    "efficiency_in_turns": round(statistics.median(a / b for a, b in turns), 3)}
     every = [torch.zeros_like(mine) for _ in range(size)]
     if size > 1:
         dist.all_gather(every, mine)
@@ -109,13 +281,17 @@ def main(argv=None) -> None:
         every = [mine]
     if rank == 0:
         medians = [round(float(t[0]), 3) for t in every]
-        print(json.dumps({"world_size": size, "bind": args.bind, "cores_per_rank": len(cores),
+        print(json.dumps({"world_size": size, "sync": args.sync if size > 1 else "alone", "graph": args.graph,
+                          "bind": args.bind, "cores_per_rank": len(cores),
                           "threads": torch.get_num_threads(), "bucket_mb": args.bucket_mb, "impl": args.impl,
                           "ms_per_step": medians,
                           "range": [[round(float(t[1]), 3), round(float(t[2]), 3)] for t in every],
+                          "host_ms_per_step": [round(float(t[3]), 3) for t in every],
                           "samples_per_s": round(sum(batch * 1000 / m for m in medians)),
-                          "gpu": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                          "date": time.strftime("%Y-%m-%d %H:%M"), "total_s": round(time.perf_counter() - start, 1)}))
+                          **in_turns, **profiled,
+                          "gpu": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+                          "date": time.strftime("%Y-%m-%d %H:%M"), "total_s": round(time.perf_counter() - start, 1)}),
+              flush=True)
     if size > 1:
         dist.destroy_process_group()
 

@@ -27,11 +27,11 @@ from trainer.loaders.order import Shard
 from trainer.loop import distributed, limits
 from trainer.loop.engine import planned_steps
 from trainer.loop.run import run
-from trainer.errors import Interrupted, RunFailed
+from trainer.errors import ConfigError, Interrupted, RunFailed
 from trainer.launch import LAUNCH_TIME_ENV, launch_time
 from trainer.loop.verify import Checksum, combine_ranks
 from trainer.tools import scaling
-from trainer.validate import resolve
+from trainer.validate import resolve, validate
 from trainer.tracking import report, sweep
 
 STRATEGIES = for_any_dataset()
@@ -307,8 +307,99 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
     assert (two["all-reduce ms"], rows[0]["all-reduce ms"]) == (0.7, None) and rows[0]["step ms"] > 0
     assert scaling.main(["--uri", tracking_uri, "--experiment", "feedbench", "--markdown", str(Path(tracking_uri[10:]).parent / "s.md")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("feedbench: sweeps at 1, 2 GPU(s)") and out[1].split()[:4] == ["loader", "model", "gpus", "status"]
+    assert out[0].startswith("feedbench: sweeps at 1, 2 GPU(s)") and out[1].split()[:5] == ["loader", "model", "step", "gpus", "status"]
+    assert {r["step"] for r in rows} == {"eager, ddp"}
     assert scaling.main(["--uri", tracking_uri, "--experiment", "nope"]) == 2
+
+
+def test_the_scaling_table_keeps_graphed_jobs_apart_from_eager_ones(tiny_cfg, tracking_uri):
+    """A job graphed with one all-reduce is its own row, against the same graphed job on one GPU."""
+    client = MlflowClient(tracking_uri)
+    for size, thr in ((1, 2000.0), (2, 3600.0)):
+        parent_id = sweep.start_parent(tiny_cfg().tracking, f"at {size}", ["engine.cuda_graph"], {"world_size": str(size)})
+        for graph in ("false", "true"):
+            run(tiny_cfg(f"engine.cuda_graph={graph}", "distributed.sync=allreduce", f"tracking.parent_run_id={parent_id}"))
+    for r in [c for size in (1, 2) for c in report.children(client, scaling.latest_sweeps(client, "feedbench")[size])]:
+        client.set_tag(r.info.run_id, "cuda_graph", r.data.params["engine.cuda_graph"].lower())  # as on a GPU
+        two = r.data.tags["mlflow.parentRunId"] == scaling.latest_sweeps(client, "feedbench")[2].info.run_id
+        graphed = r.data.params["engine.cuda_graph"].lower() == "true"
+        client.log_metric(r.info.run_id, "throughput_samples_per_s", (3600.0 if graphed else 3000.0) if two else 2000.0)
+    rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"))
+    assert sorted((r["step"], r["gpus"], r["efficiency"]) for r in rows) == [
+        ("eager, allreduce", 1, 1.0), ("eager, allreduce", 2, 0.75), ("graph, allreduce", 1, 1.0), ("graph, allreduce", 2, 0.9)]
+
+
+def _ranks(size: int, sync: str) -> distributed.Ranks:
+    """A `Ranks` as rank 0 of `size` sees it, without joining a process group."""
+    ranks = distributed.Ranks.__new__(distributed.Ranks)
+    ranks.rank, ranks.world_size, ranks.sync, ranks.grads = 0, size, sync, None
+    return ranks
+
+
+def test_a_graph_with_several_ranks_needs_the_all_reduce_it_can_hold(tiny_cfg):
+    """DDP's hooks cannot be replayed: engine.cuda_graph=true with several ranks asks for
+    distributed.sync=allreduce; that sync is the feedbench loop's; one rank checks nothing."""
+    with pytest.raises(ConfigError, match=r"^engine.cuda_graph=true with several ranks \(got 2\) needs the gradients averaged "
+                                          r"inside the graph: set distributed.sync=allreduce \(or engine.cuda_graph=false\)$"):
+        _ranks(2, "ddp").validate(tiny_cfg("engine.cuda_graph=true"))
+    _ranks(2, "allreduce").validate(tiny_cfg("engine.cuda_graph=true"))
+    _ranks(1, "ddp").validate(tiny_cfg("engine.cuda_graph=true"))
+    with pytest.raises(ConfigError, match="^distributed.sync=allreduce is the feedbench loop's .*: set distributed.sync=ddp, or engine.loop=feedbench$"):
+        _ranks(2, "allreduce").validate(tiny_cfg("engine.loop=lightning"))
+    with pytest.raises(ConfigError, match=r"^distributed.sync must be one of ddp, allreduce \(got 'nccl'\): set distributed.sync=ddp$"):
+        validate(tiny_cfg("distributed.sync=nccl"))
+
+
+def test_all_reduce_needs_every_rank_to_take_the_same_steps(tiny_cfg):
+    """Without DDP's join() a rank with fewer steps would leave the others waiting in their
+    all-reduce: refused before the run, with the fixes; max_steps evens them out."""
+    engine = tiny_cfg("engine.epochs=2").engine
+    with pytest.raises(ConfigError, match=r"^distributed.sync=allreduce needs every rank to take the same number of steps "
+                                          r"\(these shards give 6, 4\): set engine.max_steps, loader.drop_last=true, or distributed.sync=ddp"):
+        _ranks(2, "allreduce").check_steps([3, 2], engine)
+    _ranks(2, "allreduce").check_steps([3, 2], tiny_cfg("engine.epochs=2", "engine.max_steps=7").engine)
+    _ranks(2, "allreduce").check_steps([3, 3], engine)
+    _ranks(2, "ddp").check_steps([3, 2], engine)
+
+
+class _TwoDtypes(torch.nn.Module):
+    """A float32 layer and a float64 scale: two flat buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer, self.scale = torch.nn.Linear(3, 4), torch.nn.Parameter(torch.ones(2, dtype=torch.float64))
+
+    def forward(self, x):
+        return (self.layer(x).double().sum(1, keepdim=True) * self.scale).sum()
+
+
+def test_flat_gradients_are_views_averaged_in_one_collective(tmp_path):
+    """Every gradient a view of one flat buffer per dtype, rank 0's weights broadcast, backward adding
+    into the views; a gradient replaced behind its back (optimizer.zero_grad()) is caught at the
+    first average. (gloo, a world of one: the average is the rank's own gradient.)"""
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = _TwoDtypes()
+        grads = distributed.FlatGradients(model, world_size=1)
+        assert grads.buckets() == [2 * 8, (12 + 4) * 4]  # in the parameters' order: the scale's first
+        assert [p.grad.data_ptr() for p in model.parameters()] == [
+            grads.flats[0].data_ptr(), grads.flats[1].data_ptr(), grads.flats[1].data_ptr() + 48]
+        x = torch.randn(5, 3)
+        for _ in range(2):  # the second step's gradients, not their sum: zero() empties the views
+            grads.zero()
+            model(x).backward()
+            grads.average()
+        reference = _TwoDtypes()
+        reference.load_state_dict(model.state_dict())
+        reference(x).backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        fresh = distributed.FlatGradients(model, world_size=1)
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad()
+        model(x).backward()
+        with pytest.raises(RuntimeError, match="optimizer.zero_grad"):
+            fresh.average()
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 # -- real torchrun ------------------------------------------------------------------------------
@@ -425,6 +516,28 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     assert epochs == ast.literal_eval(alone.data.tags["epoch_checksums"]) and len(epochs) == 2
     # the ranks trained on exactly one process's batches, dealt in turn
     assert int(done.data.tags["verified_batches"]) == int(alone.data.tags["verified_batches"]) == 12
+
+
+def test_two_ranks_averaging_in_one_all_reduce_train_as_ddp(tmp_path, tracking_uri):
+    """gloo, two ranks: distributed.sync=allreduce trains the same weights as DDP (the final loss,
+    exactly: halving a sum of two is exact) on the same batches, and its exchange is measured;
+    shards that give the ranks different numbers of steps are refused in one line."""
+    proc = torchrun(tmp_path, tracking_uri, "-m", "distributed.sync=ddp,allreduce", "loader.batch_size=17,25", *SMALL,
+                    "engine.epochs=2", "engine.verify=true", f"hydra.sweep.dir={tmp_path}/sweep", start_new_session=True)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode != 0  # the refused job
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert line.startswith(  # refused as the run's parts are built: the run is marked FAILED with it
+        "error: distributed.sync=allreduce needs every rank to take the same number of steps (these shards give 6, 4): "
+        "set engine.max_steps, loader.drop_last=true, or distributed.sync=ddp (its join() stands in for a rank that has finished)"), err
+    jobs = {(r.data.params["distributed.sync"], int(r.data.params["loader.batch_size"])): r
+            for r in all_runs(tracking_uri) if r.data.tags.get("sweep") != "true"}
+    assert {k: r.info.status for k, r in jobs.items()} == {("ddp", 17): "FINISHED", ("allreduce", 17): "FINISHED",
+                                                           ("ddp", 25): "FINISHED", ("allreduce", 25): "FAILED"}
+    ddp, flat = jobs["ddp", 17].data, jobs["allreduce", 17].data
+    assert flat.metrics["final_loss"] == ddp.metrics["final_loss"]
+    assert flat.tags["epoch_checksums"] == ddp.tags["epoch_checksums"] and flat.tags["steps_per_rank"] == "6,6"
+    assert flat.metrics["grad_mb"] == ddp.metrics["grad_mb"] and flat.metrics["grad_allreduce_ms"] > 0
 
 
 @pytest.mark.slow  # the two-rank tests run by default; four ranks with `-m slow`

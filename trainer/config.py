@@ -45,6 +45,7 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
 # engine.compile: off, or torch.compile's mode (`torch._inductor.list_mode_options()`); the modes
 # that record CUDA graphs are COMPILE_GRAPH_MODES.
+GRAD_SYNCS = ("ddp", "allreduce")  # distributed.sync: how several ranks average their gradients
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -295,6 +296,10 @@ class DistributedConfig:
     """Runs under torchrun (`torchrun --nproc_per_node=N -m trainer ...`); ignored in one process."""
 
     timeout_s: float = 300.0  # how long the ranks' own collectives (errors, results after the loop) wait for a rank
+    # How the ranks average their gradients each step (GRAD_SYNCS): ddp, DistributedDataParallel as a
+    # user writes it; allreduce, every gradient a view of one flat buffer and one all-reduce of it after
+    # backward (no per-parameter hooks; the only kind a CUDA graph with several ranks can hold).
+    sync: str = "ddp"
     bucket_cap_mb: float = 25.0  # DDP's gradient buckets: each is all-reduced once its gradients are ready (PyTorch's default)
     gradient_as_bucket_view: bool = False  # DDP: gradients are views of the buckets (no copy into them; PyTorch's default: false)
 
@@ -302,6 +307,7 @@ class DistributedConfig:
         if not (self.timeout_s > 0 and math.isfinite(self.timeout_s)):
             raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {self.timeout_s}): "
                               f"set distributed.timeout_s=300")
+        one_of("distributed.sync", self.sync, GRAD_SYNCS, "ddp")
         if not (self.bucket_cap_mb > 0 and math.isfinite(self.bucket_cap_mb)):
             raise ConfigError(f"distributed.bucket_cap_mb must be a finite number of MiB > 0 (got {self.bucket_cap_mb}): "
                               f"set distributed.bucket_cap_mb=25")

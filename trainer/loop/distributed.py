@@ -214,6 +214,68 @@ class _LossForward(nn.Module):
         return self.model.loss(x, y)
 
 
+class FlatGradients:
+    """`distributed.sync=allreduce`: every gradient a view of one flat buffer (one per dtype),
+    zeroed before backward, and one all-reduce of it after backward averages all of them.
+
+    DDP hooks every parameter, copies each gradient into a bucket as backward produces it and
+    all-reduces each bucket while backward still runs: on a large model that overlap pays. On a
+    small, launch-bound step its hooks, copies and Python forward are host work at every step.
+    Here the host issues one zeroing kernel before backward (which then adds into the views) and
+    one collective after it, and a CUDA graph can hold both (`engine.cuda_graph=true`).
+
+    What differs from DDP: no overlap with backward; an unused parameter's gradient is zero, never
+    None (an optimizer updates it as such); buffers (BatchNorm's statistics) stay each rank's own,
+    as DDP's with `broadcast_buffers=False`. The weights start equal: rank 0's, broadcast here, as
+    DDP does when it wraps a model."""
+
+    def __init__(self, model: nn.Module, world_size: int):
+        self.world_size = world_size
+        with torch.no_grad():
+            for t in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(t, src=0)
+        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        for p in model.parameters():
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        self.flats: List[torch.Tensor] = []
+        self.views: List[Tuple[nn.Parameter, torch.Tensor]] = []
+        for dtype, params in by_dtype.items():
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+            at = 0
+            for p in params:
+                p.grad = flat[at:at + p.numel()].view_as(p)
+                self.views.append((p, p.grad))
+                at += p.numel()
+            self.flats.append(flat)
+        # NCCL averages in the collective; gloo has no AVG: a sum, then a division
+        self.in_collective = all(f.is_cuda for f in self.flats)
+        self.checked = False
+
+    def zero(self) -> None:
+        """Before backward, in place of `optimizer.zero_grad()` (which would drop the views)."""
+        for flat in self.flats:
+            flat.zero_()
+
+    def average(self) -> None:
+        """After backward: the mean of every rank's gradients, in place."""
+        if not self.checked:  # once: a gradient that is no longer its view would train on this rank's own
+            if any(p.grad is not view for p, view in self.views):
+                raise RuntimeError("a gradient was replaced after distributed.sync=allreduce made it a view of its flat "
+                                   "buffer (optimizer.zero_grad() sets it to None): zero it with FlatGradients.zero()")
+            self.checked = True
+        for flat in self.flats:
+            if self.in_collective:
+                dist.all_reduce(flat, op=dist.ReduceOp.AVG)
+            else:
+                dist.all_reduce(flat)
+                flat.div_(self.world_size)
+
+    def buckets(self) -> List[int]:
+        """The bytes each step all-reduces, per collective."""
+        return [f.numel() * f.element_size() for f in self.flats]
+
+
 class DistributedModel(DistributedDataParallel):
     """A DDP-wrapped model with the `loss(x, y)` the step calls."""
 
@@ -244,6 +306,8 @@ class Ranks:
         self.rank, self.world_size, self.local_rank, self.local_world_size = world()
         self.shard = Shard(self.rank, self.world_size)
         self.ddp = {"bucket_cap_mb": cfg.bucket_cap_mb, "gradient_as_bucket_view": cfg.gradient_as_bucket_view}
+        self.sync = cfg.sync
+        self.grads: Optional[FlatGradients] = None  # distributed.sync=allreduce: what the step zeroes and averages
         self.backend = "none"
         self.device_: Optional[torch.device] = None
         self.group = self.store = self._watch = None
@@ -286,9 +350,28 @@ class Ranks:
         return device
 
     def validate(self, cfg) -> None:
-        if self.enabled and cfg.engine.cuda_graph:
-            raise ConfigError(f"engine.cuda_graph=true is not supported with several ranks (got {self.world_size}): "
-                              "DDP's gradient all-reduce is not captured: set engine.cuda_graph=false")
+        if not self.enabled:
+            return
+        if cfg.engine.cuda_graph and self.sync != "allreduce":
+            # DDP's per-parameter hooks and bucket bookkeeping run on the host at every step; one
+            # all-reduce of a flat buffer is a kernel a graph can hold.
+            raise ConfigError(f"engine.cuda_graph=true with several ranks (got {self.world_size}) needs the gradients averaged "
+                              f"inside the graph: set distributed.sync=allreduce (or engine.cuda_graph=false)")
+        if self.sync == "allreduce" and cfg.engine.loop != "feedbench":
+            raise ConfigError(f"distributed.sync=allreduce is the feedbench loop's (engine.loop={cfg.engine.loop} averages "
+                              f"the gradients its own way): set distributed.sync=ddp, or engine.loop=feedbench")
+
+    def check_steps(self, batches_per_rank: List[int], engine) -> None:
+        """`distributed.sync=allreduce` has no stand-in for a rank that has finished (DDP's
+        `join()`): every rank must take the same number of steps, or the others would wait in
+        their all-reduce for it."""
+        if not self.enabled or self.sync != "allreduce":
+            return
+        steps = [planned_steps(engine, range(b)) if b else 0 for b in batches_per_rank]
+        if len(set(steps)) > 1:
+            raise ConfigError(f"distributed.sync=allreduce needs every rank to take the same number of steps (these shards "
+                              f"give {', '.join(map(str, steps))}): set engine.max_steps, loader.drop_last=true, or "
+                              f"distributed.sync=ddp (its join() stands in for a rank that has finished)")
 
     def tags(self) -> Dict[str, str]:
         tags = {"world_size": str(self.world_size), "backend": self.backend, "torch_threads": str(torch.get_num_threads())}
@@ -328,9 +411,13 @@ class Ranks:
             return make() if self.is_main else NoTracker()
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """DistributedDataParallel around the model; unchanged alone, or when it has no
-        parameters (nothing to average)."""
+        """DistributedDataParallel around the model (`distributed.sync=ddp`), or the model itself
+        with its gradients in one flat buffer (`allreduce`: `self.grads`, which the step zeroes and
+        averages); unchanged alone, or when it has no parameters (nothing to average)."""
         if not self.enabled or not any(p.requires_grad for p in model.parameters()):
+            return model
+        if self.sync == "allreduce":
+            self.grads = FlatGradients(model, self.world_size)
             return model
         ids = [self.device_.index] if self.device_.type == "cuda" else None
         return DistributedModel(_LossForward(model), device_ids=ids, bucket_cap_mb=self.ddp["bucket_cap_mb"],
@@ -420,21 +507,24 @@ class Ranks:
         return out
 
     def exchange(self, model: nn.Module) -> dict:
-        """DDP's gradient exchange, measured alone after the loop (several ranks, a DDP model):
-        - `grad_mb`: the gradients every step all-reduces (in DDP's own buckets);
+        """The gradient exchange, measured alone after the loop (several ranks, a model with
+        parameters):
+        - `grad_mb`: the gradients every step all-reduces (in DDP's own buckets, or the one flat
+          buffer of `distributed.sync=allreduce`);
         - `grad_allreduce_ms`: the time to all-reduce them with nothing to overlap: what a step
           can lose to the exchange at most (DDP starts each bucket while backward still runs);
         - `allreduce_bus_GBps`: that as bus bandwidth (bytes x 2(n-1)/n over the time, as NCCL's
           own tests count it: comparable across GPU counts).
         A step slower on N GPUs than on one by about `grad_allreduce_ms` is bound by the
         exchange, not by its feed."""
-        if not self.enabled or not isinstance(model, DistributedModel):
+        if not self.enabled or not (isinstance(model, DistributedModel) or self.grads is not None):
             return {}
         # One list of buckets on every rank, the most split (a rank that joined with no batch
         # never rebuilt its own): ranks all-reducing different sizes would wait for each other
         # until the group's timeout. Likewise all measure, or none: a rank with no room left for
         # one more bucket says so first.
-        buckets = max(self._all_gather(ddp_buckets(model)), key=len)
+        mine = self.grads.buckets() if self.grads is not None else ddp_buckets(model)
+        buckets = max(self._all_gather(mine), key=len)
         try:
             buffer = torch.empty(max(1, max(buckets) // 4), dtype=torch.float32, device=self.device_)
         except torch.OutOfMemoryError:

@@ -114,6 +114,6 @@ class FeedbenchLoop:
 
     def train(self, parts) -> int:
         parts.step = make_step(parts.model, parts.optimizer, parts.graphed, parts.cfg.engine.precision,
-                               compile=parts.cfg.engine.compile, feed=parts.loader.graph_feed)
+                               compile=parts.cfg.engine.compile, feed=parts.loader.graph_feed, grads=parts.grads)
         return train(parts.step, parts.loader, parts.meter, parts.cfg.engine, parts.checksum, parts.profiler,
                      parts.window)

@@ -71,6 +71,7 @@ class Parts:
     mem_base: int = 0  # GPU memory allocated before the run (`gpu_memory_baseline`)
     window: Optional[KernelWindow] = None  # steps traced after the timed region (`engine.kernel_window_steps`)
     step: object = None  # the step the loop ran (its graph_replays / eager_steps), set by the loop
+    grads: object = None  # several ranks with distributed.sync=allreduce: the flat gradients the step averages
 
 
 def select_device(name: str) -> torch.device:
@@ -195,6 +196,8 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
         loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
     try:  # from here on a failure closes the loader (its threads, its page-locked memory): no run will
+        with ranks.agree():
+            ranks.check_steps(loader.batches_per_rank(), cfg.engine)
         graphed = cfg.engine.cuda_graph and device.type == "cuda"
         degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
         if cfg.engine.compile == "reduce-overhead" and device.type != "cuda":  # its CUDA graphs are its whole point
@@ -222,7 +225,7 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         loader.copy_probe = meter
         tracker.set_tags({"scratch": str(tmp)})  # removed at the close; a killed run's, by its recovery
         return Parts(cfg=cfg, device=device, loader=loader, model=model, optimizer=optimizer, meter=meter, loop=loop,
-                     graphed=graphed, checksum=Checksum(device) if cfg.engine.verify else None,
+                     graphed=graphed, grads=ranks.grads, checksum=Checksum(device) if cfg.engine.verify else None,
                      profiler=StepProfiler(cfg.engine.profile, tmp, skip=cfg.engine.warmup_steps), tmp=tmp,
                      mem_base=mem_base, window=KernelWindow(cfg.engine.kernel_window_steps, device, tmp,
                                                             off_because=_no_window(cfg, ranks)))

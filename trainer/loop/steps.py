@@ -31,25 +31,28 @@ STEP_COUNTS = ("graph_replays", "eager_steps", "compile_s", "compile_recompiles"
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}  # engine.precision -> autocast's dtype
 
 
-def make_step(model, optimizer, graphed: bool, precision: str = "fp32", compile: str = "off", feed=None):
+def make_step(model, optimizer, graphed: bool, precision: str = "fp32", compile: str = "off", feed=None, grads=None):
     """Return `step(x, y) -> loss` for the engine loop. `compile`: `engine.compile`'s mode. `feed`:
     the loader's `graph_feed`, whose next batch a graphed step fetches inside its graph
-    (`loader.gather_in_graph`)."""
+    (`loader.gather_in_graph`). `grads`: several ranks with `distributed.sync=allreduce`, the
+    ranks' `FlatGradients`, which the step zeroes before backward and averages after it."""
     if compile != "off":
-        return CompiledStep(model, optimizer, precision, mode=compile)
+        return CompiledStep(model, optimizer, precision, mode=compile, grads=grads)
     if graphed:
-        return GraphedStep(model, optimizer, precision=precision, feed=feed)
-    return EagerStep(model, optimizer, precision)
+        return GraphedStep(model, optimizer, precision=precision, feed=feed, grads=grads)
+    return EagerStep(model, optimizer, precision, grads=grads)
 
 
 class EagerStep:
     """zero_grad, forward+loss, backward, optimizer step: the four lines of a plain PyTorch loop;
-    under bf16 or fp16, forward+loss in autocast, and for fp16 the loss scaled by a `GradScaler`."""
+    under bf16 or fp16, forward+loss in autocast, and for fp16 the loss scaled by a `GradScaler`.
+    With `grads` (`distributed.sync=allreduce`) the gradients are zeroed in their flat buffer and
+    averaged over the ranks between backward and the optimizer's step."""
 
     graph_replays = 0  # an eager step never replays a graph
 
-    def __init__(self, model, optimizer, precision: str = "fp32"):
-        self.model, self.optimizer = model, optimizer
+    def __init__(self, model, optimizer, precision: str = "fp32", grads=None):
+        self.model, self.optimizer, self.grads = model, optimizer, grads
         self.eager_steps = 0
         self.dtype = AUTOCAST[precision]
         self.scaler = None
@@ -68,20 +71,32 @@ class EagerStep:
         self.eager_steps += 1
         if self.optimizer is None:  # a model without parameters (noop): forward only
             return self.forward(x, y)
-        # PyTorch's default (set_to_none=True): backward writes fresh gradients instead of zeroing
-        # the old ones and adding into them, which costs a kernel per parameter and its memory traffic.
-        self.optimizer.zero_grad()
+        self.zero_grad()
         loss = self.forward(x, y)
         if self.scaler is None:
             loss.backward()
+            self.average()
             self.optimizer.step()
         else:
             self.scaler.scale(loss).backward()
+            self.average()  # before the scaler looks for an overflow: every rank then sees the same one
             # Skips the update when a gradient overflowed: it reads that flag from the device (a sync
             # per step, as in any fp16 loop with a GradScaler), then adapts the scale.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         return loss
+
+    def zero_grad(self) -> None:
+        if self.grads is not None:
+            self.grads.zero()  # one kernel; the gradients stay views of the flat buffer the ranks average
+        else:
+            # PyTorch's default (set_to_none=True): backward writes fresh gradients instead of zeroing the
+            # old ones and adding into them, which costs a kernel per parameter and its memory traffic.
+            self.optimizer.zero_grad()
+
+    def average(self) -> None:
+        if self.grads is not None:
+            self.grads.average()
 
 
 class GraphedStep:
@@ -103,12 +118,12 @@ class GraphedStep:
     capture wraps the step in `feed.beside()`, so each replay also fetches the next batch.
     """
 
-    def __init__(self, model, optimizer, warmup_iters: int = 3, precision: str = "fp32", feed=None):
+    def __init__(self, model, optimizer, warmup_iters: int = 3, precision: str = "fp32", feed=None, grads=None):
         if precision == "fp16":
             raise ConfigError(FP16_GRAPH_REFUSED)
         self.model, self.optimizer, self.warmup_iters = model, optimizer, warmup_iters
         self.feed = feed
-        self.eager = EagerStep(model, optimizer, precision)  # the warm-up before capture, and batches of another shape
+        self.eager = EagerStep(model, optimizer, precision, grads=grads)  # the warm-up before capture, and batches of another shape
         self.graph = None
         self.graph_replays = 0
         self.eager_steps = 0
@@ -132,18 +147,24 @@ class GraphedStep:
         self._losses = torch.zeros(LOSS_SLOTS, dtype=loss.dtype, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next replay writes its loss
         self._loss_views = self._losses.unbind()  # made once: a step hands one out, it makes no tensor
-        if self.optimizer is not None:
+        grads = self.eager.grads
+        if self.optimizer is not None and grads is None:
             # No gradient at capture: backward then allocates each one in the graph's pool and every
             # replay writes it afresh. A graph captured over kept gradients (set_to_none=False) would
             # zero them and add into them at every replay: kernels and memory traffic per parameter.
+            # (Several ranks' flat gradients are zeroed in the graph instead: one kernel, and one
+            # all-reduce of them, which NCCL replays with the graph.)
             self.optimizer.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: loader threads (DataLoader pinning, chunk loading) may touch CUDA meanwhile.
         with torch.cuda.graph(self.graph, capture_error_mode="thread_local"), \
                 (self.feed.beside() if fed else contextlib.nullcontext()):
+            if self.optimizer is not None and grads is not None:
+                grads.zero()
             loss = self.eager.forward(self.static_x, self.static_y, cache=False)
             if self.optimizer is not None:
                 loss.backward()
+                self.eager.average()
                 self.optimizer.step()
             # The loss into its slot of the ring, inside the graph: the meter holds the returned
             # slot for up to 32 steps, and the next replays write the next slots.
@@ -200,14 +221,14 @@ class CompiledStep:
     graph_replays = 0  # the engine's own graph (engine.cuda_graph); reduce-overhead's graphs are torch's
     eager_steps = 0  # every step runs the compiled code
 
-    def __init__(self, model, optimizer, precision: str = "fp32", mode: str = "default"):
+    def __init__(self, model, optimizer, precision: str = "fp32", mode: str = "default", grads=None):
         import torch._dynamo  # here, not at the top: an eager run never imports the compiler
         # A process that runs several runs (a sweep) would otherwise reuse the last run's compiled code,
         # guarded on the last run's model: a recompile charged to this run, and after torch's
         # `recompile_limit` (8) of them the step falls back to eager. (It clears the compile callbacks too.)
         torch._dynamo.reset()
         self.mode = mode
-        self.eager = EagerStep(model, optimizer, precision)
+        self.eager = EagerStep(model, optimizer, precision, grads=grads)
         # dynamic=False: a batch of another shape (a partial last batch) gets code of its own. With
         # torch's default the second shape makes the batch dimension dynamic, and every later full
         # batch runs that dynamic-shape code: another step than the one timed before it.

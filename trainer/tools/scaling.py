@@ -2,7 +2,10 @@
 
 Each torchrun launch of a sweep (`torchrun --nproc_per_node=N -m trainer -m experiment=multi_gpu`)
 is one MLflow parent run tagged `world_size=N`. This reads the latest sweep of each world size in
-an experiment and lines up every job (strategy, model) across them:
+an experiment and lines up every job (strategy, model, step) across them:
+
+- *step*: how the job's step ran, eager or as a CUDA graph, and how its ranks averaged the
+  gradients (`distributed.sync`: ddp, or allreduce, one all-reduce of a flat buffer);
 
 - *samples/s*: all ranks' samples over the timed region; *× 1 GPU* that over the same job on one
   GPU, and *efficiency* that over N (1.00 = perfect scaling);
@@ -35,10 +38,10 @@ from mlflow.tracking import MlflowClient
 from trainer.errors import ConfigError
 from trainer.tracking import report
 
-COLUMNS = ("loader", "model", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
+COLUMNS = ("loader", "model", "step", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
            "ceiling GB/s", "of ceiling", "step ms", "all-reduce ms", "data wait", "stream span", "run MiB/rank", "… own copies",
            "overlap")
-NUMERIC = set(COLUMNS[4:17])
+NUMERIC = set(COLUMNS[5:18])
 RUN_MB = "run_host_pss_mb"
 OWN_COPIES = "_own_copies"  # the experiment of the same jobs with a copy of the dataset per rank: `<experiment>_own_copies`
 
@@ -79,9 +82,9 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
         runs = report.children(client, parent)
         overlaps.update(report.overlapping(runs))
         for r in runs:
-            jobs.setdefault((r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?")), {})[size] = r
+            jobs.setdefault((r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?"), step_kind(r)), {})[size] = r
     rows = []
-    for (loader, model), by_size in jobs.items():
+    for (loader, model, kind), by_size in jobs.items():
         one = by_size.get(1)
         one_m = one.data.metrics if one is not None and one.info.status == "FINISHED" else {}
         for size, r in sorted(by_size.items()):
@@ -91,7 +94,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
             base_thr = one_m.get("throughput_samples_per_s")
             base_copy = one_m.get("aggregate_h2d_GBps", one_m.get("h2d_GBps"))
             speedup = thr / base_thr if thr and base_thr else None
-            rows.append({"loader": loader, "model": model, "gpus": size, "status": r.info.status,
+            rows.append({"loader": loader, "model": model, "step": kind, "gpus": size, "status": r.info.status,
                          "samples/s": thr, "× 1 GPU": speedup, "efficiency": speedup / size if speedup else None,
                          "copy GB/s": copy, "copy × 1 GPU": copy / base_copy if copy and base_copy else None,
                          "ceiling GB/s": ceiling, "of ceiling": copy / ceiling if copy and ceiling else None,
@@ -100,6 +103,13 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
                          "run MiB/rank": m.get(RUN_MB), "… own copies": own_mb.get((loader, model, size)),
                          "overlap": "yes" if overlaps.get(r.info.run_id) else ""})
     return rows
+
+
+def step_kind(r: Run) -> str:
+    """How a job's step ran and how its ranks averaged the gradients: `eager, ddp`, `graph, allreduce`
+    (`engine.cuda_graph`, `distributed.sync`; a run from before distributed.sync existed: ddp)."""
+    graphed = r.data.tags.get("cuda_graph", r.data.params.get("engine.cuda_graph", "false")).lower() == "true"
+    return f"{'graph' if graphed else 'eager'}, {r.data.params.get('distributed.sync', 'ddp')}"
 
 
 def _cell(column: str, value) -> str:
