@@ -122,7 +122,7 @@ def profile_summary(step, rank: int, steps: int = 20) -> dict:
     return {"top_host_ops_ms_per_step": {e.key: round(e.self_cpu_time_total / 1000 / steps, 4) for e in top},
             "host_waits_ms_per_step": waits,
             "launches_per_step": round(sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC",
-                                                                               "cuLaunchKernel", "cuLaunchKernelEx")) / steps, 1)}
+                                                                               "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")) / steps, 1)}
 
 
 def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.device):

@@ -8,14 +8,16 @@
 # Extra arguments go to every launch (e.g. engine.max_steps=100). Each launch is limited to
 # LAUNCH_S seconds (default 240), and all of them to DEADLINE_S from the start (default 330: one
 # device call): one that hangs is stopped, one without time left is skipped and said, and the
-# table shows what finished. On four GPUs the whole script took 298-382 s before the deadline.
+# table shows what finished. On two GPUs the whole script took 304 s (2026-11-28); on four it
+# took 298-382 s before the all-reduce rows were added, so there the deadline skips the last parts.
 # At each GPU count, the strategies that feed the GPU from device or page-locked memory also run
 # with the gradients averaged by one all-reduce of a flat buffer instead of DDP, eager and with
 # the step (the all-reduce included) captured as a CUDA graph (distributed.sync=allreduce
-# engine.cuda_graph=false,true; experiment multi_gpu_allreduce, its own table). The same step
+# engine.cuda_graph=false,true loader.drop_last=true: a graph with several ranks needs every batch
+# full; experiment multi_gpu_allreduce, its own table). The same step
 # written by hand on GPU-resident data (benchmarks/ddp_floor.py: with DDP, eager; with one
-# all-reduce, in a graph) is the reference for `gpu_resident`: one JSON line each in
-# outputs/multi_gpu_floor.jsonl.
+# all-reduce, eager and in a graph; on one GPU the first two are the same loop, run once) is the
+# reference for `gpu_resident`: one JSON line each in outputs/multi_gpu_floor.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p outputs
@@ -37,7 +39,7 @@ for n in ${COUNTS:-1 2 4}; do
   fi
   launch "$n" experiment=multi_gpu "$@"
   launch "$n" experiment=multi_gpu loader=gpu_resident,pinned_chunk,pinned_uva model=autoencoder \
-    distributed.sync=allreduce engine.cuda_graph=false,true tracking.experiment=multi_gpu_allreduce "$@"
+    distributed.sync=allreduce engine.cuda_graph=false,true loader.drop_last=true tracking.experiment=multi_gpu_allreduce "$@"
   if [ "$n" -gt 1 ]; then
     launch "$n" experiment=multi_gpu loader=pinned_chunk,pinned_uva,pinned_gather model=noop \
       'loader.shared_host_copy=choice(false)' tracking.experiment=multi_gpu_own_copies "$@"
@@ -45,6 +47,7 @@ for n in ${COUNTS:-1 2 4}; do
   # the references of the eager rows (DDP, one all-reduce) and the graphed ones; on several GPUs
   # also each rank's step alone against all of them, in turns (efficiency_in_turns)
   for how in "--sync ddp" "--sync allreduce" "--sync allreduce --graph"; do
+    [ "$n" -eq 1 ] && [ "$how" = "--sync allreduce" ] && continue  # alone, the same loop as --sync ddp
     [ $(( deadline - $(date +%s) )) -lt 25 ] && { echo "no time left for ddp_floor.py $how on $n GPU(s)" >&2; continue; }
     timeout -k 10 60 python -m torch.distributed.run --standalone --nproc_per_node="$n" benchmarks/ddp_floor.py $how --turns 4 \
       | tee -a outputs/multi_gpu_floor.jsonl || echo "the hand-written loop ($how) on $n GPU(s) ended with status $?" >&2

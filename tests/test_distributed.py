@@ -350,16 +350,39 @@ def test_a_graph_with_several_ranks_needs_the_all_reduce_it_can_hold(tiny_cfg):
         validate(tiny_cfg("distributed.sync=nccl"))
 
 
-def test_all_reduce_needs_every_rank_to_take_the_same_steps(tiny_cfg):
+def test_all_reduce_needs_every_rank_to_take_the_same_steps_and_graphs_full_batches(tiny_cfg):
     """Without DDP's join() a rank with fewer steps would leave the others waiting in their
-    all-reduce: refused before the run, with the fixes; max_steps evens them out."""
+    all-reduce: refused before the run, with the fixes; max_steps evens them out. Graphed, a short
+    batch (run eagerly on its rank alone) is refused too. A model without gradients (noop) averages
+    nothing and needs neither."""
     engine = tiny_cfg("engine.epochs=2").engine
+    flat = _ranks(2, "allreduce")
+    flat.grads = object()  # `wrap` made the flat gradients
     with pytest.raises(ConfigError, match=r"^distributed.sync=allreduce needs every rank to take the same number of steps "
                                           r"\(these shards give 6, 4\): set engine.max_steps, loader.drop_last=true, or distributed.sync=ddp"):
-        _ranks(2, "allreduce").check_steps([3, 2], engine)
-    _ranks(2, "allreduce").check_steps([3, 2], tiny_cfg("engine.epochs=2", "engine.max_steps=7").engine)
-    _ranks(2, "allreduce").check_steps([3, 3], engine)
-    _ranks(2, "ddp").check_steps([3, 2], engine)
+        flat.check_plan([3, 2], engine, graphed=False, short_batches=False)
+    flat.check_plan([3, 2], tiny_cfg("engine.epochs=2", "engine.max_steps=7").engine, graphed=False, short_batches=True)
+    flat.check_plan([3, 3], engine, graphed=True, short_batches=False)
+    with pytest.raises(ConfigError, match=r"^engine.cuda_graph=true with distributed.sync=allreduce needs every batch full "
+                                          r"\(.*\): set loader.drop_last=true$"):
+        flat.check_plan([3, 3], engine, graphed=True, short_batches=True)
+    _ranks(2, "ddp").check_plan([3, 2], engine, graphed=False, short_batches=True)
+    _ranks(2, "allreduce").check_plan([3, 2], engine, graphed=True, short_batches=True)  # no gradients to average
+
+
+def test_loaders_say_whether_an_epoch_has_a_short_batch(tiny_cfg):
+    """The grid's last batch, unless drop_last drops it; iterable_chunks' random draws are whole
+    batches, its pin_chunk slices end short where a chunk is not a multiple of the batch."""
+    def short(*overrides):
+        cfg = tiny_cfg(*overrides)
+        with build_loader(cfg.loader, build_dataset(cfg.dataset), torch.device("cpu"), seed=0) as loader:
+            return loader.has_short_batches()
+    n = ["dataset.num_samples=100", "loader.batch_size=25"]
+    assert not short(*n) and short("dataset.num_samples=101", "loader.batch_size=25")
+    assert not short("dataset.num_samples=101", "loader.batch_size=25", "loader.drop_last=true")
+    chunks = ["loader=iterable_chunks", "dataset.num_samples=100", "dataset.chunk_samples=30", "loader.batch_size=10"]
+    assert not short(*chunks) and not short(*chunks, "loader.variant=pin_chunk", "loader.num_workers=0")
+    assert short(*chunks[:-1], "loader.batch_size=20", "loader.variant=pin_chunk", "loader.num_workers=0")
 
 
 class _TwoDtypes(torch.nn.Module):
@@ -373,7 +396,7 @@ class _TwoDtypes(torch.nn.Module):
         return (self.layer(x).double().sum(1, keepdim=True) * self.scale).sum()
 
 
-def test_flat_gradients_are_views_averaged_in_one_collective(tmp_path):
+def test_flat_gradients_are_views_averaged_in_one_collective(tmp_path, monkeypatch):
     """Every gradient a view of one flat buffer per dtype, rank 0's weights broadcast, backward adding
     into the views; a gradient replaced behind its back (optimizer.zero_grad()) is caught at the
     first average. (gloo, a world of one: the average is the rank's own gradient.)"""
@@ -385,14 +408,23 @@ def test_flat_gradients_are_views_averaged_in_one_collective(tmp_path):
         assert [p.grad.data_ptr() for p in model.parameters()] == [
             grads.flats[0].data_ptr(), grads.flats[1].data_ptr(), grads.flats[1].data_ptr() + 48]
         x = torch.randn(5, 3)
+        collectives = []
+        real = torch.distributed.all_reduce
+        monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, *a, **k: collectives.append(t.numel()) or real(t, *a, **k))
         for _ in range(2):  # the second step's gradients, not their sum: zero() empties the views
             grads.zero()
             model(x).backward()
             grads.average()
+        assert collectives == [2, 16] * 2  # one all-reduce per flat buffer and step
         reference = _TwoDtypes()
         reference.load_state_dict(model.state_dict())
         reference(x).backward()
         assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        halved = distributed.FlatGradients(model, world_size=2)  # gloo: a sum over the ranks, then / 2 (here one rank)
+        halved.zero()
+        model(x).backward()
+        halved.average()
+        assert all(torch.equal(p.grad, q.grad / 2) for p, q in zip(model.parameters(), reference.parameters()))
         fresh = distributed.FlatGradients(model, world_size=1)
         torch.optim.SGD(model.parameters(), lr=0.1).zero_grad()
         model(x).backward()

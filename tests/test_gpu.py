@@ -386,22 +386,26 @@ def test_two_gpus_one_run_with_nccl_equal_to_one_gpu(strategy, tmp_path, tiny_cf
 def test_two_gpus_average_in_one_allreduce_as_ddp_does_eager_and_graphed(tmp_path, tracking_uri, runs):
     """distributed.sync=allreduce over NCCL trains as DDP does (two ranks: averaging halves a sum,
     exactly), eager and with the all-reduce replayed inside the step's CUDA graph; DDP with a graph
-    is refused in one line."""
+    is refused in one line, and so is a graph over shards with a short batch."""
     size = ["engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", "loader=gpu_resident",
             "engine.epochs=2", "engine.progress=false", "model.hidden=32"]
     outputs = []
     for extra in (["-m", "distributed.sync=ddp,allreduce"], ["distributed.sync=allreduce", "engine.cuda_graph=true"],
-                  ["engine.cuda_graph=true"]):
+                  ["engine.cuda_graph=true"],
+                  # 10 batches, 5 a rank, rank 1's last of 20 samples: it would run eagerly beside rank 0's replay
+                  ["distributed.sync=allreduce", "engine.cuda_graph=true", "dataset.num_samples=596"]):
         proc = _torchrun(tmp_path, tracking_uri, *size, *extra, f"hydra.sweep.dir={tmp_path}/sweep", start_new_session=True)
         try:
             outputs.append((proc.communicate(timeout=180)[1], proc.returncode))
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert [code for _, code in outputs] == [0, 0, 1], outputs
+    assert [code for _, code in outputs] == [0, 0, 1, 1], outputs
     assert [line for line in outputs[2][0].splitlines() if line.startswith("error: ")] == [
         "error: engine.cuda_graph=true with several ranks (got 2) needs the gradients averaged inside the graph: "
         "set distributed.sync=allreduce (or engine.cuda_graph=false)"], outputs[2][0]
+    (short,) = [line for line in outputs[3][0].splitlines() if line.startswith("error: ")]
+    assert short.startswith("error: engine.cuda_graph=true with distributed.sync=allreduce needs every batch full"), short
     found = {(r.data.params["distributed.sync"], r.data.tags["cuda_graph"]): r for r in runs()
              if r.data.tags.get("sweep") != "true" and r.info.status == "FINISHED"}
     assert sorted(found) == [("allreduce", "false"), ("allreduce", "true"), ("ddp", "false")]

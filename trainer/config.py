@@ -45,10 +45,10 @@ OPTIMIZERS = ("adam", "adamw", "sgd")
 OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
 # engine.compile: off, or torch.compile's mode (`torch._inductor.list_mode_options()`); the modes
 # that record CUDA graphs are COMPILE_GRAPH_MODES.
-GRAD_SYNCS = ("ddp", "allreduce")  # distributed.sync: how several ranks average their gradients
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16")
+GRAD_SYNCS = ("ddp", "allreduce")  # distributed.sync: how several ranks average their gradients
 # GradScaler.step reads from the device whether a gradient overflowed (`.item()`) before it steps
 # the optimizer: a host-side branch that a captured CUDA graph cannot hold.
 FP16_GRAPH_REFUSED = ("engine.precision=fp16 cannot be used with engine.cuda_graph=true (the gradient scaler decides on "

@@ -95,6 +95,11 @@ class DeviceLoader:
         n, b, drop = len(self.dataset), self.cfg.batch_size, self.cfg.drop_last
         return [self.shard.batches(n, b, drop, rank=r) for r in range(self.shard.world_size)]
 
+    def has_short_batches(self) -> bool:
+        """Whether some rank's epoch has a batch shorter than `loader.batch_size`: the epoch's last,
+        unless `loader.drop_last` drops it (every strategy cuts the same grid of batches)."""
+        return not self.cfg.drop_last and len(self.dataset) % self.cfg.batch_size != 0
+
     def __iter__(self) -> Iterator[Batch]:
         raise NotImplementedError
 

@@ -92,6 +92,14 @@ class IterableChunksLoader(DeviceLoader):
     def __len__(self) -> int:
         return len(self.iterable)
 
+    def has_short_batches(self) -> bool:
+        """Random draws are whole batches; `pin_chunk` slices each chunk, whose last slice is short
+        unless the chunk's rows are a multiple of the batch (`loader.drop_last` does not apply)."""
+        ds, b = self.dataset, self.cfg.batch_size
+        if self.cfg.variant != "pin_chunk" or ds.cfg.batches_per_chunk:
+            return False
+        return any((hi - lo) % b for lo, hi in map(ds.chunk_range, range(ds.num_chunks)))
+
     def batches_per_rank(self) -> list:
         it = self.iterable
         return [sum(it._batches_in(c) for c in range(it.source.num_chunks)[r::it.world_size]) for r in range(it.world_size)]

@@ -257,12 +257,17 @@ class FlatGradients:
         for flat in self.flats:
             flat.zero_()
 
+    def check_views(self) -> None:
+        """Every gradient still a view of its flat buffer: one that was replaced (`optimizer.zero_grad()`
+        sets it to None, and backward makes a new one) is this rank's own, averaged with no other."""
+        if any(p.grad is not view for p, view in self.views):
+            raise RuntimeError("a gradient was replaced after distributed.sync=allreduce made it a view of its flat "
+                               "buffer (optimizer.zero_grad() sets it to None): zero it with FlatGradients.zero()")
+
     def average(self) -> None:
         """After backward: the mean of every rank's gradients, in place."""
-        if not self.checked:  # once: a gradient that is no longer its view would train on this rank's own
-            if any(p.grad is not view for p, view in self.views):
-                raise RuntimeError("a gradient was replaced after distributed.sync=allreduce made it a view of its flat "
-                                   "buffer (optimizer.zero_grad() sets it to None): zero it with FlatGradients.zero()")
+        if not self.checked:  # at the first step, and after the loop (`Ranks.exchange`): not a cost per step
+            self.check_views()
             self.checked = True
         for flat in self.flats:
             if self.in_collective:
@@ -361,17 +366,23 @@ class Ranks:
             raise ConfigError(f"distributed.sync=allreduce is the feedbench loop's (engine.loop={cfg.engine.loop} averages "
                               f"the gradients its own way): set distributed.sync=ddp, or engine.loop=feedbench")
 
-    def check_steps(self, batches_per_rank: List[int], engine) -> None:
-        """`distributed.sync=allreduce` has no stand-in for a rank that has finished (DDP's
-        `join()`): every rank must take the same number of steps, or the others would wait in
-        their all-reduce for it."""
-        if not self.enabled or self.sync != "allreduce":
+    def check_plan(self, batches_per_rank: List[int], engine, graphed: bool, short_batches: bool) -> None:
+        """`distributed.sync=allreduce` (after `wrap`, with gradients to average) has no stand-in for
+        a rank that has finished (DDP's `join()`): every rank must take the same number of steps,
+        or the others would wait in their all-reduce for it. Graphed, every batch must be full: a
+        short one runs eagerly on its rank alone, and NCCL needs every rank's collective captured
+        alike (a replayed all-reduce against an eager one is not promised to meet)."""
+        if not self.enabled or self.grads is None:
             return
         steps = [planned_steps(engine, range(b)) if b else 0 for b in batches_per_rank]
         if len(set(steps)) > 1:
             raise ConfigError(f"distributed.sync=allreduce needs every rank to take the same number of steps (these shards "
                               f"give {', '.join(map(str, steps))}): set engine.max_steps, loader.drop_last=true, or "
                               f"distributed.sync=ddp (its join() stands in for a rank that has finished)")
+        if graphed and short_batches:
+            raise ConfigError("engine.cuda_graph=true with distributed.sync=allreduce needs every batch full (a short one runs "
+                              "eagerly on its rank alone, its all-reduce outside the graph the other ranks replay): set "
+                              "loader.drop_last=true")
 
     def tags(self) -> Dict[str, str]:
         tags = {"world_size": str(self.world_size), "backend": self.backend, "torch_threads": str(torch.get_num_threads())}
@@ -519,6 +530,8 @@ class Ranks:
         exchange, not by its feed."""
         if not self.enabled or not (isinstance(model, DistributedModel) or self.grads is not None):
             return {}
+        if self.grads is not None:
+            self.grads.check_views()  # still the flat buffer's: else each rank trained on its own gradients
         # One list of buckets on every rank, the most split (a rank that joined with no batch
         # never rebuilt its own): ranks all-reducing different sizes would wait for each other
         # until the group's timeout. Likewise all measure, or none: a rank with no room left for

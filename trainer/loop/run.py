@@ -196,8 +196,6 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
         check_model_fits(cfg, dataset, device)  # before its weights exist, and before the loader's buffers
         loader = build_loader(job.loader, dataset, device, seed=cfg.engine.seed, shard=ranks.shard)
     try:  # from here on a failure closes the loader (its threads, its page-locked memory): no run will
-        with ranks.agree():
-            ranks.check_steps(loader.batches_per_rank(), cfg.engine)
         graphed = cfg.engine.cuda_graph and device.type == "cuda"
         degraded = [f"loader={cfg.loader.name}"] * loader.degraded + ["engine.cuda_graph=true"] * (cfg.engine.cuda_graph and not graphed)
         if cfg.engine.compile == "reduce-overhead" and device.type != "cuda":  # its CUDA graphs are its whole point
@@ -212,7 +210,9 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
             else:
                 model = models(job.model, dataset.sample_shape, dataset.num_classes, device)
             model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
-        model = ranks.wrap(model)  # DDP
+        model = ranks.wrap(model)  # DDP, or the flat gradients of distributed.sync=allreduce
+        with ranks.agree():
+            ranks.check_plan(loader.batches_per_rank(), cfg.engine, graphed, loader.has_short_batches())
         optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
         planned = planned_steps(cfg.engine, loader)
         warn_untimed(planned, cfg.engine.warmup_steps)
