@@ -71,32 +71,28 @@ class EagerStep:
         self.eager_steps += 1
         if self.optimizer is None:  # a model without parameters (noop): forward only
             return self.forward(x, y)
-        self.zero_grad()
+        grads = self.grads  # several ranks with distributed.sync=allreduce; else None (one attribute read a step)
+        if grads is None:
+            # PyTorch's default (set_to_none=True): backward writes fresh gradients instead of zeroing the
+            # old ones and adding into them, which costs a kernel per parameter and its memory traffic.
+            self.optimizer.zero_grad()
+        else:
+            grads.zero()  # one kernel; the gradients stay views of the flat buffer the ranks average
         loss = self.forward(x, y)
         if self.scaler is None:
             loss.backward()
-            self.average()
+            if grads is not None:
+                grads.average()
             self.optimizer.step()
         else:
             self.scaler.scale(loss).backward()
-            self.average()  # before the scaler looks for an overflow: every rank then sees the same one
+            if grads is not None:
+                grads.average()  # before the scaler looks for an overflow: every rank then sees the same one
             # Skips the update when a gradient overflowed: it reads that flag from the device (a sync
             # per step, as in any fp16 loop with a GradScaler), then adapts the scale.
             self.scaler.step(self.optimizer)
             self.scaler.update()
         return loss
-
-    def zero_grad(self) -> None:
-        if self.grads is not None:
-            self.grads.zero()  # one kernel; the gradients stay views of the flat buffer the ranks average
-        else:
-            # PyTorch's default (set_to_none=True): backward writes fresh gradients instead of zeroing the
-            # old ones and adding into them, which costs a kernel per parameter and its memory traffic.
-            self.optimizer.zero_grad()
-
-    def average(self) -> None:
-        if self.grads is not None:
-            self.grads.average()
 
 
 class GraphedStep:
@@ -164,7 +160,8 @@ class GraphedStep:
             loss = self.eager.forward(self.static_x, self.static_y, cache=False)
             if self.optimizer is not None:
                 loss.backward()
-                self.eager.average()
+                if grads is not None:
+                    grads.average()
                 self.optimizer.step()
             # The loss into its slot of the ring, inside the graph: the meter holds the returned
             # slot for up to 32 steps, and the next replays write the next slots.
