@@ -288,6 +288,12 @@ class DistributedModel(DistributedDataParallel):
         return self(x, y)
 
 
+def steps_per_rank(batches_per_rank: List[int], engine) -> List[int]:
+    """The steps each rank's loop will take (`planned_steps`), from its batches per epoch; a rank
+    without a batch stops at once."""
+    return [planned_steps(engine, range(b)) if b else 0 for b in batches_per_rank]
+
+
 def ddp_buckets(model: DistributedDataParallel) -> List[int]:
     """The bytes of each bucket DDP all-reduces a step: the buckets it rebuilt after its first
     step in the order backward produced the gradients (`rebuilt_bucket_sizes` of its own record;
@@ -374,7 +380,7 @@ class Ranks:
         alike (a replayed all-reduce against an eager one is not promised to meet)."""
         if not self.enabled or self.grads is None:
             return
-        steps = [planned_steps(engine, range(b)) if b else 0 for b in batches_per_rank]
+        steps = steps_per_rank(batches_per_rank, engine)
         if len(set(steps)) > 1:
             raise ConfigError(f"distributed.sync=allreduce needs every rank to take the same number of steps (these shards "
                               f"give {', '.join(map(str, steps))}): set engine.max_steps, loader.drop_last=true, or "
@@ -440,9 +446,7 @@ class Ranks:
         for finished ranks (at the cost of one more small all-reduce per step). Each rank's steps
         are the loop's own plan (`planned_steps`): with `engine.max_steps` set, every rank that has
         a batch takes exactly that many, over as many epochs of its shard as it takes."""
-        def steps(b: int) -> int:
-            return planned_steps(engine, range(b)) if b else 0  # a rank without a batch stops at once
-        self.joined = len({steps(b) for b in batches_per_rank}) > 1 and isinstance(model, DistributedModel)
+        self.joined = len(set(steps_per_rank(batches_per_rank, engine))) > 1 and isinstance(model, DistributedModel)
         return model.join() if self.joined else contextlib.nullcontext()
 
     # -- faults --------------------------------------------------------------------------------
