@@ -35,7 +35,8 @@ waiting in a gloo barrier) and then every rank with the exchange: `efficiency_in
 median of alone ÷ all (the slowest rank), a scaling figure that the host's drift between two
 launches does not move. `--profile`
 adds, from torch's profiler over 20 more steps of rank 0, the host operators that took the most
-of its time and the host's waits on the device. Rank 0 prints one JSON line: the world size,
+of its time and the host's waits on the device, and what its GPU ran: the longest kernels, the
+device's busy time and NCCL's kernels apart (ms per step). Rank 0 prints one JSON line: the world size,
 each rank's median ms/step over the blocks and their range, samples/s of all ranks at those
 medians, the GPU, torch's version and the date.
 """
@@ -48,7 +49,9 @@ import copy
 import json
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -116,13 +119,41 @@ def profile_summary(step, rank: int, steps: int = 20) -> dict:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        kernels = kernel_summary(json.loads(Path(f"{tmp}/trace.json").read_text()), steps)
     events = prof.key_averages()
     top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
     waits = {e.key: round(e.self_cpu_time_total / 1000 / steps, 4) for e in events if e.key in WAITS}
     return {"top_host_ops_ms_per_step": {e.key: round(e.self_cpu_time_total / 1000 / steps, 4) for e in top},
             "host_waits_ms_per_step": waits,
             "launches_per_step": round(sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cudaLaunchKernelExC",
-                                                                               "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")) / steps, 1)}
+                                                                               "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")) / steps, 1),
+            **kernels}
+
+
+def kernel_summary(trace: dict, steps: int) -> dict:
+    """What rank 0's GPU ran in a profiler trace of `steps` steps, in ms per step: each kernel's
+    time, the eight longest by name (a graph's replayed kernels included), the union of all of
+    them (the device busy), and NCCL's kernels apart: the exchange on the device, a wait for the
+    other ranks included."""
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
+             if e.get("cat") == "kernel" and "dur" in e]
+    by_name: dict = {}
+    for begin, end, name in spans:
+        by_name[name[:80]] = by_name.get(name[:80], 0.0) + (end - begin)
+    busy, reach = 0.0, None
+    for begin, end, _ in sorted(spans):
+        if reach is None or begin > reach:
+            busy, reach = busy + (end - begin), end
+        elif end > reach:
+            busy, reach = busy + (end - reach), end
+    per_step = lambda us: round(us / 1000 / steps, 4)  # noqa: E731 (trace times are in µs)
+    top = sorted(by_name.items(), key=lambda kv: kv[1], reverse=True)[:8]
+    return {"kernels_ms_per_step": {name: per_step(us) for name, us in top},
+            "kernel_count_per_step": round(len(spans) / steps, 1),
+            "gpu_busy_ms_per_step": per_step(busy),
+            "nccl_kernel_ms_per_step": per_step(sum(us for name, us in by_name.items() if "nccl" in name.lower()))}
 
 
 def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.device):

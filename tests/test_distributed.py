@@ -829,3 +829,22 @@ def test_the_exchange_is_timed_in_the_buckets_ddp_rebuilt(tmp_path):
     before, after = (ast.literal_eval(part + "]") for part in out.stdout.strip().rstrip("]").split("] "))
     whole = 2 * (512 * 512 + 512) * 4
     assert before == [whole] and sum(after) == whole and len(after) > 1
+
+
+def test_the_hand_written_floor_reads_the_device_time_of_each_kernel_and_of_the_exchange():
+    """benchmarks/ddp_floor.py --profile: per step, each kernel's time by name, the device's busy
+    time as the union of overlapping kernels (never their sum), and NCCL's kernels apart."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("ddp_floor", Path(__file__).parents[1] / "benchmarks" / "ddp_floor.py")
+    floor = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(floor)
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 100},
+        {"cat": "kernel", "name": "ncclDevKernel_AllReduce_Sum_f32", "ts": 50, "dur": 200},  # beside the gemm
+        {"cat": "kernel", "name": "gemm", "ts": 400, "dur": 100},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},  # the host's: not the device's time
+    ]}
+    got = floor.kernel_summary(trace, steps=2)
+    assert got["kernels_ms_per_step"] == {"gemm": 0.1, "ncclDevKernel_AllReduce_Sum_f32": 0.1}
+    assert got["gpu_busy_ms_per_step"] == 0.175  # (250 + 100) µs over 2 steps
+    assert got["nccl_kernel_ms_per_step"] == 0.1 and got["kernel_count_per_step"] == 1.5
