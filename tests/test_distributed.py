@@ -289,6 +289,8 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
         client.log_metric(r.info.run_id, "aggregate_h2d_GBps", 8.0)
         client.log_metric(r.info.run_id, "aggregate_h2d_peak_pinned_GBps", 10.0)
         client.log_metric(r.info.run_id, "grad_allreduce_ms", 0.7)
+        client.log_metric(r.info.run_id, "ms_per_step", 1.6)
+        client.log_metric(r.info.run_id, "median_step_ms", 0.05)  # the host's launch of a graph: not the step
     for r in report.children(client, sweeps[1]):
         client.log_metric(r.info.run_id, "throughput_samples_per_s", 2000.0)
         client.log_metric(r.info.run_id, "h2d_GBps", 5.0)
@@ -304,7 +306,8 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
     assert (two["× 1 GPU"], two["efficiency"], two["copy × 1 GPU"], two["of ceiling"]) == (1.5, 0.75, 1.6, 0.8)
     assert (rows[2]["run MiB/rank"], rows[3]["… own copies"], two["… own copies"]) == (900.0, 1100.0, None)
     assert rows[0]["× 1 GPU"] == 1.0 and rows[0]["ceiling GB/s"] is None  # no CUDA: no ceiling measured
-    assert (two["all-reduce ms"], rows[0]["all-reduce ms"]) == (0.7, None) and rows[0]["step ms"] > 0
+    assert (two["all-reduce ms"], rows[0]["all-reduce ms"]) == (0.7, None) and rows[0]["ms/step"] > 0
+    assert two["ms/step"] == 1.6  # the timed region's wall time per step, not the host's median step
     assert scaling.main(["--uri", tracking_uri, "--experiment", "feedbench", "--markdown", str(Path(tracking_uri[10:]).parent / "s.md")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("feedbench: sweeps at 1, 2 GPU(s)") and out[1].split()[:5] == ["loader", "model", "step", "gpus", "status"]

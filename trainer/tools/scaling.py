@@ -12,10 +12,11 @@ an experiment and lines up every job (strategy, model, step) across them:
 - *copy GB/s*: the ranks' copy bandwidths added (`aggregate_h2d_GBps`); *× 1 GPU* likewise;
 - *ceiling GB/s*: every rank copying pinned batches at once (`aggregate_h2d_peak_pinned_GBps`;
   on one GPU: `h2d_peak_pinned_GBps`), and *of ceiling* the copy bandwidth over it;
-- *step ms*: the median step (`median_step_ms`, the mean over the ranks), and *all-reduce ms*:
-  DDP's exchange of one step's gradients measured alone after the loop (`grad_allreduce_ms`): a
-  step that grows from one GPU to several by about that much is bound by the exchange, not by
-  its feed;
+- *ms/step*: the timed region's wall time per step (`ms_per_step`, the mean over the ranks), what
+  a step costs whether the host or the GPU sets its pace (the host's own median step,
+  `median_step_ms`, is a graph's launch alone when the GPU sets it), and *all-reduce ms*: one
+  step's exchange of the gradients measured alone after the loop (`grad_allreduce_ms`): a step
+  that grows from one GPU to several by about that much is bound by the exchange, not by its feed;
 - *data wait* and *stream span* (`compute_stream_span_fraction`): means over the ranks; *overlap*: jobs timed at the same time on a
   shared device (their figures are not to be trusted);
 - *run MiB/rank*: the host memory each rank's run took, its dataset, loader and model
@@ -39,7 +40,7 @@ from trainer.errors import ConfigError
 from trainer.tracking import report
 
 COLUMNS = ("loader", "model", "step", "gpus", "status", "samples/s", "× 1 GPU", "efficiency", "copy GB/s", "copy × 1 GPU",
-           "ceiling GB/s", "of ceiling", "step ms", "all-reduce ms", "data wait", "stream span", "run MiB/rank", "… own copies",
+           "ceiling GB/s", "of ceiling", "ms/step", "all-reduce ms", "data wait", "stream span", "run MiB/rank", "… own copies",
            "overlap")
 NUMERIC = set(COLUMNS[5:18])
 RUN_MB = "run_host_pss_mb"
@@ -98,7 +99,7 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
                          "samples/s": thr, "× 1 GPU": speedup, "efficiency": speedup / size if speedup else None,
                          "copy GB/s": copy, "copy × 1 GPU": copy / base_copy if copy and base_copy else None,
                          "ceiling GB/s": ceiling, "of ceiling": copy / ceiling if copy and ceiling else None,
-                         "step ms": m.get("median_step_ms"), "all-reduce ms": m.get("grad_allreduce_ms"),
+                         "ms/step": m.get("ms_per_step"), "all-reduce ms": m.get("grad_allreduce_ms"),
                          "data wait": m.get("data_wait_fraction"), "stream span": m.get("compute_stream_span_fraction"),
                          "run MiB/rank": m.get(RUN_MB), "… own copies": own_mb.get((loader, model, size)),
                          "overlap": "yes" if overlaps.get(r.info.run_id) else ""})
