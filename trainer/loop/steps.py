@@ -140,12 +140,7 @@ class GraphedStep:
             for _ in range(self.warmup_iters):
                 loss = self.eager(self.static_x, self.static_y)
         torch.cuda.current_stream(device).wait_stream(side)
-        dtype = loss.dtype
-        # The last warm-up's loss keeps its autograd graph alive, and with it each parameter's
-        # AccumulateGrad node of the side stream: backward at capture would then make the capture's
-        # stream wait on that stream (PyTorch warns of the mismatch). Dropped, capture makes its own.
-        del loss
-        self._losses = torch.zeros(LOSS_SLOTS, dtype=dtype, device=device)
+        self._losses = torch.zeros(LOSS_SLOTS, dtype=loss.dtype, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next replay writes its loss
         self._loss_views = self._losses.unbind()  # made once: a step hands one out, it makes no tensor
         grads = self.eager.grads
