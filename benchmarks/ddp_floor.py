@@ -60,6 +60,8 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.loop.profiling import busy_time
+
 SYNCS = ("ddp", "allreduce", "none", "ddp-nocomm")
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaStreamQuery")
 
@@ -143,12 +145,7 @@ def kernel_summary(trace: dict, steps: int) -> dict:
     by_name: dict = {}
     for begin, end, name in spans:
         by_name[name[:80]] = by_name.get(name[:80], 0.0) + (end - begin)
-    busy, reach = 0.0, None
-    for begin, end, _ in sorted(spans):
-        if reach is None or begin > reach:
-            busy, reach = busy + (end - begin), end
-        elif end > reach:
-            busy, reach = busy + (end - reach), end
+    busy = busy_time([(begin, end) for begin, end, _ in spans])
     per_step = lambda us: round(us / 1000 / steps, 4)  # noqa: E731 (trace times are in µs)
     top = sorted(by_name.items(), key=lambda kv: kv[1], reverse=True)[:8]
     return {"kernels_ms_per_step": {name: per_step(us) for name, us in top},

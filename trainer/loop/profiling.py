@@ -364,3 +364,8 @@ def _union(spans: List[Span]) -> List[Span]:
 
 def _length(merged: List[Span]) -> float:
     return sum(b - a for a, b in merged)
+
+
+def busy_time(spans: List[Span]) -> float:
+    """How long any of `spans` ran: their union's length, each instant counted once."""
+    return _length(_union(spans))
