@@ -2,7 +2,7 @@
 gradients over the ranks: how fast several GPUs train the reference autoencoder when nothing
 feeds them, and where a step's time goes (CUDA only; run under torchrun).
 
-    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_floor.py [--sync ddp|allreduce|none|ddp-nocomm]
+    torchrun --standalone --nproc_per_node=2 benchmarks/ddp_floor.py [--sync ddp|allreduce|sharded|zero|none|ddp-nocomm]
         [--graph] [--steps 20] [--blocks 15] [--bind] [--threads N] [--bucket-mb 25]
         [--impl default|fused] [--turns R] [--profile]
 
@@ -15,6 +15,15 @@ torch's default implementation, as the preset). How the gradients are averaged (
 - `allreduce`: no DDP: every gradient is a view of one flat buffer, zeroed before backward, and
   after backward one `all_reduce(flat, AVG)` averages them all (what DDP does, in one bucket,
   without its per-parameter hooks, its bucket copies and its Python forward);
+- `sharded`: as `allreduce`, the weights also views of one flat buffer; after backward a
+  `reduce_scatter_tensor` leaves each rank the mean of its 1/N slice of the gradients, Adam
+  updates that slice of the weights alone, and an `all_gather_into_tensor` hands every rank all of
+  them (ZeRO's first stage, on flat slices: the engine's `distributed.sync=sharded`);
+- `sharded-overlap`: sharded in buckets of `--bucket-mb` in backward's order, each bucket's
+  reduce-scatter started by a hook while backward goes on, and each bucket's update (an
+  optimizer per bucket) and all-gather as soon as its reduce-scatter is done;
+- `zero`: DDP, with PyTorch's `ZeroRedundancyOptimizer` around Adam (each rank updates the whole
+  parameters dealt to it, then broadcasts them), as a user with several GPUs writes ZeRO; eager;
 - `none`: each rank trains alone, nothing exchanged: what several processes cost each other on
   this host (cores, memory, the driver) without any collective;
 - `ddp-nocomm`: DDP with a communication hook that returns the bucket as it is: DDP's own work on
@@ -60,9 +69,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.loop.distributed import all_gather_flat, flat_layout, reduce_scatter_flat
 from trainer.loop.profiling import busy_time
 
-SYNCS = ("ddp", "allreduce", "none", "ddp-nocomm")
+SYNCS = ("ddp", "allreduce", "sharded", "sharded-overlap", "zero", "none", "ddp-nocomm")
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaStreamQuery")
 
 
@@ -86,16 +96,20 @@ class FlatGrads:
     """Every gradient a view of one flat buffer: zeroed before backward (one kernel), averaged over
     the ranks after it (one all-reduce). Backward adds into the views in place."""
 
-    def __init__(self, params, world_size: int):
+    def __init__(self, params, world_size: int, pad_to: int = 1):
         self.params, self.world_size = list(params), world_size
-        self.flat = torch.zeros(sum(p.numel() for p in self.params), device=self.params[0].device)
-        at = 0
-        for p in self.params:
+        # each view at an aligned address, as the engine lays them out (`flat_layout`)
+        self.offsets, numel = flat_layout([p.numel() for p in self.params], 4, pad_to)
+        self.flat = torch.zeros(numel, device=self.params[0].device)
+        for p, at in zip(self.params, self.offsets):
             p.grad = self.flat[at:at + p.numel()].view_as(p)
-            at += p.numel()
+        self.updated = self.params  # what the optimizer updates
 
     def zero(self):
         self.flat.zero_()
+
+    def share(self):
+        """After the optimizer's step: every rank updated every weight."""
 
     def average(self):
         if self.world_size == 1:
@@ -105,6 +119,94 @@ class FlatGrads:
         else:  # gloo has no AVG
             dist.all_reduce(self.flat)
             self.flat.div_(self.world_size)
+
+
+class FlatShards(FlatGrads):
+    """The weights too in one flat buffer (padded to N equal slices); this rank's optimizer updates
+    its slice, whose gradients a reduce-scatter averaged, and an all-gather shares the result."""
+
+    def __init__(self, params, world_size: int, rank: int):
+        super().__init__(params, world_size, pad_to=world_size)
+        self.weights = torch.zeros_like(self.flat)
+        with torch.no_grad():
+            for p, at in zip(self.params, self.offsets):
+                self.weights[at:at + p.numel()].copy_(p.reshape(-1))
+                p.data = self.weights[at:at + p.numel()].view_as(p)
+        size = self.flat.numel() // world_size
+        self.shard = self.weights[rank * size:(rank + 1) * size]
+        self.shard.grad = self.flat[rank * size:(rank + 1) * size]
+        self.updated = [self.shard]
+
+    def average(self):
+        if self.flat.is_cuda:  # in place: the output at input + rank x count, NCCL's own form
+            reduce_scatter_flat(self.shard.grad, self.flat, op=dist.ReduceOp.AVG)
+        else:  # gloo has no AVG
+            reduce_scatter_flat(self.shard.grad, self.flat)
+            self.shard.grad.div_(self.world_size)
+
+    def share(self):
+        all_gather_flat(self.weights, self.shard)
+
+
+class OverlappedShards:
+    """`--sync sharded-overlap`: sharded in buckets, in the order backward produces the gradients
+    (the parameters in reverse, a bucket closed once it holds `--bucket-mb`), each laid out as
+    `FlatShards` lays out the whole. A bucket's reduce-scatter starts from a hook as soon as
+    backward has added its last gradient, while backward goes on; after backward each bucket's
+    slice is updated by an optimizer of its own once its reduce-scatter is done, and its
+    all-gather runs while the next bucket's update does (NCCL's stream beside the compute one)."""
+
+    def __init__(self, params, world_size: int, rank: int, cap_bytes: float):
+        self.world_size, self.buckets = world_size, []
+        bucket, nbytes, order = [], 0, []
+        for p in reversed(list(params)):
+            bucket.append(p)
+            nbytes += p.numel() * p.element_size()
+            if nbytes >= cap_bytes:
+                order.append(bucket)
+                bucket, nbytes = [], 0
+        order += [bucket] if bucket else []
+        for params in order:
+            offsets, numel = flat_layout([p.numel() for p in params], 4, world_size)
+            grads = torch.zeros(numel, device=params[0].device)
+            weights = torch.zeros_like(grads)
+            with torch.no_grad():
+                for p, at in zip(params, offsets):
+                    weights[at:at + p.numel()].copy_(p.reshape(-1))
+                    p.data = weights[at:at + p.numel()].view_as(p)
+                    p.grad = grads[at:at + p.numel()].view_as(p)
+            size = numel // world_size
+            shard = weights[rank * size:(rank + 1) * size]
+            shard.grad = grads[rank * size:(rank + 1) * size]
+            b = {"params": params, "grads": grads, "weights": weights, "shard": shard, "pending": len(params), "work": None}
+            self.buckets.append(b)
+            for p in params:
+                p.register_post_accumulate_grad_hook(lambda _, b=b: self._added(b))
+        self.updated = [b["shard"] for b in self.buckets]
+        self.op = dist.ReduceOp.AVG if weights.is_cuda else dist.ReduceOp.SUM  # gloo has no AVG
+
+    def _added(self, b):
+        b["pending"] -= 1
+        if b["pending"] == 0:
+            b["work"] = reduce_scatter_flat(b["shard"].grad, b["grads"], op=self.op, async_op=True)
+
+    def zero(self):
+        for b in self.buckets:
+            b["grads"].zero_()
+            b["pending"], b["work"] = len(b["params"]), None
+
+    def step(self, optimizers):
+        gathers = []
+        for b, optimizer in zip(self.buckets, optimizers):
+            if b["work"] is None:  # a bucket with a parameter backward did not reach
+                b["work"] = reduce_scatter_flat(b["shard"].grad, b["grads"], op=self.op, async_op=True)
+            b["work"].wait()
+            if self.op == dist.ReduceOp.SUM:
+                b["shard"].grad.div_(self.world_size)
+            optimizer.step()
+            gathers.append(all_gather_flat(b["weights"], b["shard"], async_op=True))
+        for g in gathers:
+            g.wait()
 
 
 def profile_summary(step, rank: int, steps: int = 20) -> dict:
@@ -172,10 +274,22 @@ def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.d
                 model.register_comm_hook(None, _no_exchange)
         elif how == "allreduce":
             flat = FlatGrads(params, size)
+        elif how == "sharded":
+            flat = FlatShards(params, size, dist.get_rank())
+        elif how == "zero":
+            model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb)
+        elif how == "sharded-overlap":
+            flat = OverlappedShards(params, size, dist.get_rank(), args.bucket_mb * 2**20)
     if side is not None:
         torch.cuda.current_stream(device).wait_stream(side)
     kwargs = {"fused": True} if args.impl == "fused" else {}
-    optimizer = torch.optim.Adam(params, lr=1e-3, capturable=args.graph, **kwargs)
+    if how == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.Adam, lr=1e-3, **kwargs)
+    elif how == "sharded-overlap":  # an optimizer per bucket
+        optimizers = [torch.optim.Adam([shard], lr=1e-3, capturable=args.graph, **kwargs) for shard in flat.updated]
+    else:
+        optimizer = torch.optim.Adam(flat.updated if flat is not None else params, lr=1e-3, capturable=args.graph, **kwargs)
 
     def train(x, captured=False):
         if flat is not None:
@@ -184,9 +298,14 @@ def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.d
             optimizer.zero_grad()
         loss = F.mse_loss(model(x), x)
         loss.backward()
+        if how == "sharded-overlap":
+            flat.step(optimizers)
+            return
         if flat is not None:
             flat.average()
         optimizer.step()
+        if flat is not None:
+            flat.share()
 
     if not args.graph:
         return lambda: train(next(feed))
@@ -245,9 +364,12 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="rank 0's host operators and waits, from torch's profiler")
     p.add_argument("--turns", type=int, default=0, help="rounds of rank 0 alone, then every rank, in turns")
     args = p.parse_args(argv)
-    if args.graph and args.sync == "none" and args.turns:
-        # rank 0's two graphs, each writing its gradients afresh, replayed with an illegal address (torch 2.11)
-        p.error("--graph with --sync none and --turns is not supported: time --sync none --graph without --turns")
+    if args.graph and args.sync == "zero":
+        p.error("--sync zero is eager: ZeroRedundancyOptimizer's broadcasts and its bookkeeping run on the host")
+    if args.graph and args.sync in ("none", "sharded", "sharded-overlap") and args.turns:
+        # rank 0's two graphs (its own model's alone, and this one) replayed with an illegal address
+        # (torch 2.11, H100 and H200); with --sync allreduce they replay as they should
+        p.error(f"--graph with --sync {args.sync} and --turns is not supported: time --sync {args.sync} --graph without --turns")
     start = time.perf_counter()
     rank, size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank, local_size = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))

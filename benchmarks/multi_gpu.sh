@@ -11,13 +11,14 @@
 # table shows what finished. On two GPUs the whole script took 304 s (2026-11-28); on four it
 # took 298-382 s before the all-reduce rows were added, so there the deadline skips the last parts.
 # At each GPU count, the strategies that feed the GPU from device or page-locked memory also run
-# with the gradients averaged by one all-reduce of a flat buffer instead of DDP, eager and with
-# the step (the all-reduce included) captured as a CUDA graph (distributed.sync=allreduce
-# engine.cuda_graph=false,true loader.drop_last=true: a graph with several ranks needs every batch
-# full; experiment multi_gpu_allreduce, its own table). The same step
-# written by hand on GPU-resident data (benchmarks/ddp_floor.py: with DDP, eager; with one
-# all-reduce, eager and in a graph; on one GPU the first two are the same loop, run once) is the
-# reference for `gpu_resident`: one JSON line each in outputs/multi_gpu_floor.jsonl.
+# with the step captured as a CUDA graph, the exchange inside it (loader.drop_last=true: a graph
+# with several ranks needs every batch full; experiment multi_gpu_graphed, its own table): the
+# gradients averaged by one all-reduce of a flat buffer (distributed.sync=allreduce), and on
+# several GPUs also sharded (a reduce-scatter, each rank's optimizer updating its slice of the
+# weights, an all-gather; one GPU exchanges nothing, so its allreduce row is the reference of
+# both). The same steps written by hand on GPU-resident data (benchmarks/ddp_floor.py: with DDP,
+# eager; with one all-reduce and sharded, in a graph) are the references for `gpu_resident`: one
+# JSON line each in outputs/multi_gpu_floor.jsonl.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p outputs
@@ -38,22 +39,25 @@ for n in ${COUNTS:-1 2 4}; do
     continue
   fi
   launch "$n" experiment=multi_gpu "$@"
+  syncs=allreduce
+  [ "$n" -gt 1 ] && syncs=allreduce,sharded
   launch "$n" experiment=multi_gpu loader=gpu_resident,pinned_chunk,pinned_uva model=autoencoder \
-    distributed.sync=allreduce engine.cuda_graph=false,true loader.drop_last=true tracking.experiment=multi_gpu_allreduce "$@"
+    distributed.sync=$syncs engine.cuda_graph=true loader.drop_last=true tracking.experiment=multi_gpu_graphed "$@"
   if [ "$n" -gt 1 ]; then
     launch "$n" experiment=multi_gpu loader=pinned_chunk,pinned_uva,pinned_gather model=noop \
       'loader.shared_host_copy=choice(false)' tracking.experiment=multi_gpu_own_copies "$@"
   fi
-  # the references of the eager rows (DDP, one all-reduce) and the graphed ones; on several GPUs
-  # also each rank's step alone against all of them, in turns (efficiency_in_turns)
-  for how in "--sync ddp" "--sync allreduce" "--sync allreduce --graph"; do
-    [ "$n" -eq 1 ] && [ "$how" = "--sync allreduce" ] && continue  # alone, the same loop as --sync ddp
+  # the references of the eager DDP rows and of the graphed ones; on several GPUs also each rank's
+  # step alone against all of them, in turns (efficiency_in_turns; not for sharded)
+  for how in "--sync ddp" "--sync allreduce --graph" "--sync sharded --graph"; do
+    [ "$n" -eq 1 ] && [ "$how" = "--sync sharded --graph" ] && continue  # alone, the same loop as allreduce
     [ $(( deadline - $(date +%s) )) -lt 25 ] && { echo "no time left for ddp_floor.py $how on $n GPU(s)" >&2; continue; }
-    timeout -k 10 60 python -m torch.distributed.run --standalone --nproc_per_node="$n" benchmarks/ddp_floor.py $how --turns 4 \
+    turns="--turns 4"; [ "$how" = "--sync sharded --graph" ] && turns=""  # (ddp_floor.py refuses turns with it)
+    timeout -k 10 60 python -m torch.distributed.run --standalone --nproc_per_node="$n" benchmarks/ddp_floor.py $how $turns \
       | tee -a outputs/multi_gpu_floor.jsonl || echo "the hand-written loop ($how) on $n GPU(s) ended with status $?" >&2
   done
   echo "after $n GPU(s): $(( $(date +%s) - start )) s" >&2
 done
 python -m trainer.tools.scaling --experiment multi_gpu --markdown docs/results/multi_gpu.md
-python -m trainer.tools.scaling --experiment multi_gpu_allreduce --markdown docs/results/multi_gpu_allreduce.md
+python -m trainer.tools.scaling --experiment multi_gpu_graphed --markdown docs/results/multi_gpu_graphed.md
 echo "multi_gpu.sh: $(( $(date +%s) - start )) s in all" >&2

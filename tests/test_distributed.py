@@ -316,20 +316,25 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
 
 
 def test_the_scaling_table_keeps_graphed_jobs_apart_from_eager_ones(tiny_cfg, tracking_uri):
-    """A job graphed with one all-reduce is its own row, against the same graphed job on one GPU."""
+    """A job graphed with one all-reduce is its own row, against the same graphed job on one GPU;
+    a sharded job, run only on two GPUs, against that same one-GPU run (alone, no sync differs)."""
     client = MlflowClient(tracking_uri)
     for size, thr in ((1, 2000.0), (2, 3600.0)):
         parent_id = sweep.start_parent(tiny_cfg().tracking, f"at {size}", ["engine.cuda_graph"], {"world_size": str(size)})
         for graph in ("false", "true"):
             run(tiny_cfg(f"engine.cuda_graph={graph}", "distributed.sync=allreduce", f"tracking.parent_run_id={parent_id}"))
+        if size == 2:
+            run(tiny_cfg("engine.cuda_graph=true", "distributed.sync=sharded", f"tracking.parent_run_id={parent_id}"))
     for r in [c for size in (1, 2) for c in report.children(client, scaling.latest_sweeps(client, "feedbench")[size])]:
         client.set_tag(r.info.run_id, "cuda_graph", r.data.params["engine.cuda_graph"].lower())  # as on a GPU
         two = r.data.tags["mlflow.parentRunId"] == scaling.latest_sweeps(client, "feedbench")[2].info.run_id
         graphed = r.data.params["engine.cuda_graph"].lower() == "true"
-        client.log_metric(r.info.run_id, "throughput_samples_per_s", (3600.0 if graphed else 3000.0) if two else 2000.0)
+        sharded = r.data.params["distributed.sync"] == "sharded"
+        client.log_metric(r.info.run_id, "throughput_samples_per_s", (3800.0 if sharded else 3600.0 if graphed else 3000.0) if two else 2000.0)
     rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"))
     assert sorted((r["step"], r["gpus"], r["efficiency"]) for r in rows) == [
-        ("eager, allreduce", 1, 1.0), ("eager, allreduce", 2, 0.75), ("graph, allreduce", 1, 1.0), ("graph, allreduce", 2, 0.9)]
+        ("eager, allreduce", 1, 1.0), ("eager, allreduce", 2, 0.75), ("graph, allreduce", 1, 1.0), ("graph, allreduce", 2, 0.9),
+        ("graph, sharded", 2, 0.95)]
 
 
 def _ranks(size: int, sync: str) -> distributed.Ranks:
@@ -341,15 +346,23 @@ def _ranks(size: int, sync: str) -> distributed.Ranks:
 
 def test_a_graph_with_several_ranks_needs_the_all_reduce_it_can_hold(tiny_cfg):
     """DDP's hooks cannot be replayed: engine.cuda_graph=true with several ranks asks for
-    distributed.sync=allreduce; that sync is the feedbench loop's; one rank checks nothing."""
+    distributed.sync=allreduce (or sharded); those syncs are the feedbench loop's; sharded refuses
+    fp16's scaler, which would see one rank's slice of the gradients; one rank checks nothing."""
     with pytest.raises(ConfigError, match=r"^engine.cuda_graph=true with several ranks \(got 2\) needs the gradients averaged "
                                           r"inside the graph: set distributed.sync=allreduce \(or engine.cuda_graph=false\)$"):
         _ranks(2, "ddp").validate(tiny_cfg("engine.cuda_graph=true"))
     _ranks(2, "allreduce").validate(tiny_cfg("engine.cuda_graph=true"))
+    _ranks(2, "sharded").validate(tiny_cfg("engine.cuda_graph=true", "engine.precision=bf16"))
     _ranks(1, "ddp").validate(tiny_cfg("engine.cuda_graph=true"))
-    with pytest.raises(ConfigError, match="^distributed.sync=allreduce is the feedbench loop's .*: set distributed.sync=ddp, or engine.loop=feedbench$"):
-        _ranks(2, "allreduce").validate(tiny_cfg("engine.loop=lightning"))
-    with pytest.raises(ConfigError, match=r"^distributed.sync must be one of ddp, allreduce \(got 'nccl'\): set distributed.sync=ddp$"):
+    for sync in ("allreduce", "sharded"):
+        with pytest.raises(ConfigError, match=f"^distributed.sync={sync} is the feedbench loop's .*: set distributed.sync=ddp, or engine.loop=feedbench$"):
+            _ranks(2, sync).validate(tiny_cfg("engine.loop=lightning"))
+    with pytest.raises(ConfigError, match=r"^distributed.sync=sharded cannot be used with engine.precision=fp16 \(.*slice.*\): "
+                                          r"set engine.precision=bf16, or distributed.sync=allreduce$"):
+        _ranks(2, "sharded").validate(tiny_cfg("engine.precision=fp16"))
+    _ranks(2, "allreduce").validate(tiny_cfg("engine.precision=fp16"))
+    _ranks(1, "sharded").validate(tiny_cfg("engine.precision=fp16"))
+    with pytest.raises(ConfigError, match=r"^distributed.sync must be one of ddp, allreduce, sharded \(got 'nccl'\): set distributed.sync=ddp$"):
         validate(tiny_cfg("distributed.sync=nccl"))
 
 
@@ -553,26 +566,104 @@ def test_torchrun_sweep_two_ranks_one_run_per_job_equal_to_one_process(tmp_path,
     assert int(done.data.tags["verified_batches"]) == int(alone.data.tags["verified_batches"]) == 12
 
 
-def test_two_ranks_averaging_in_one_all_reduce_train_as_ddp(tmp_path, tracking_uri):
+def test_two_ranks_averaging_in_one_all_reduce_or_sharded_train_as_ddp(tmp_path, tracking_uri):
     """gloo, two ranks: distributed.sync=allreduce trains the same weights as DDP (the final loss,
-    exactly: halving a sum of two is exact) on the same batches, and its exchange is measured;
-    shards that give the ranks different numbers of steps are refused in one line."""
-    proc = torchrun(tmp_path, tracking_uri, "-m", "distributed.sync=ddp,allreduce", "loader.batch_size=17,25", *SMALL,
+    exactly: halving a sum of two is exact), and so does sharded (each rank updating half of the
+    weights), on the same batches; their exchange is measured; shards that give the ranks
+    different numbers of steps are refused in one line."""
+    proc = torchrun(tmp_path, tracking_uri, "-m", "distributed.sync=ddp,allreduce,sharded", "loader.batch_size=17,25", *SMALL,
                     "engine.epochs=2", "engine.verify=true", f"hydra.sweep.dir={tmp_path}/sweep", start_new_session=True)
     _, err = proc.communicate(timeout=300)
-    assert proc.returncode != 0  # the refused job
-    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
-    assert line.startswith(  # refused as the run's parts are built: the run is marked FAILED with it
+    assert proc.returncode != 0  # the refused jobs
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert [line.split(" needs")[0] for line in lines] == ["error: distributed.sync=allreduce", "error: distributed.sync=sharded"]
+    assert lines[0].startswith(  # refused as the run's parts are built: the run is marked FAILED with it
         "error: distributed.sync=allreduce needs every rank to take the same number of steps (these shards give 6, 4): "
         "set engine.max_steps, loader.drop_last=true, or distributed.sync=ddp (its join() stands in for a rank that has finished)"), err
     jobs = {(r.data.params["distributed.sync"], int(r.data.params["loader.batch_size"])): r
             for r in all_runs(tracking_uri) if r.data.tags.get("sweep") != "true"}
-    assert {k: r.info.status for k, r in jobs.items()} == {("ddp", 17): "FINISHED", ("allreduce", 17): "FINISHED",
-                                                           ("ddp", 25): "FINISHED", ("allreduce", 25): "FAILED"}
-    ddp, flat = jobs["ddp", 17].data, jobs["allreduce", 17].data
-    assert flat.metrics["final_loss"] == ddp.metrics["final_loss"]
-    assert flat.tags["epoch_checksums"] == ddp.tags["epoch_checksums"] and flat.tags["steps_per_rank"] == "6,6"
-    assert flat.metrics["grad_mb"] == ddp.metrics["grad_mb"] and flat.metrics["grad_allreduce_ms"] > 0
+    assert {k: r.info.status for k, r in jobs.items()} == {
+        ("ddp", 17): "FINISHED", ("allreduce", 17): "FINISHED", ("sharded", 17): "FINISHED",
+        ("ddp", 25): "FINISHED", ("allreduce", 25): "FAILED", ("sharded", 25): "FAILED"}
+    ddp = jobs["ddp", 17].data
+    for sync in ("allreduce", "sharded"):
+        flat = jobs[sync, 17].data
+        assert flat.metrics["final_loss"] == pytest.approx(ddp.metrics["final_loss"], rel=1e-6, abs=0), sync
+        assert flat.tags["epoch_checksums"] == ddp.tags["epoch_checksums"] and flat.tags["steps_per_rank"] == "6,6"
+        assert flat.metrics["grad_allreduce_ms"] > 0
+    assert jobs["allreduce", 17].data.metrics["final_loss"] == ddp.metrics["final_loss"]
+    # the flat buffers: each parameter at an aligned address, and sharded's cut in two aligned halves
+    for sync in ("allreduce", "sharded"):
+        assert 0 <= jobs[sync, 17].data.metrics["grad_mb"] * 2**20 - ddp.metrics["grad_mb"] * 2**20 < 4 * 128 + 2 * 128
+
+
+SHARDED = """
+import sys, tempfile, torch, torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from trainer.loop.distributed import FlatGradients, ShardedGradients
+from trainer.loop.steps import EagerStep
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2))  # 18 + 8 = 26 weights
+        self.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def loss(self, x, y):
+        return F.mse_loss(self.net(x), y)
+
+def train(r, sharded):
+    torch.manual_seed(r)  # each rank its own initial weights: rank 0's are broadcast
+    model = Model()
+    grads = (ShardedGradients(model, 2, r) if sharded else FlatGradients(model, 2))
+    optimizer = torch.optim.AdamW(grads.updated(), lr=0.05, weight_decay=0.1)
+    step = EagerStep(model, optimizer, grads=grads)
+    data = torch.Generator().manual_seed(10 + r)  # each rank its own batches
+    for _ in range(5):
+        step(torch.randn(4, 5, generator=data), torch.randn(4, 2, generator=data))
+    state = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.dim())
+    return model, grads, state
+
+def rank(r, path):
+    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=r, world_size=2)
+    flat, _, flat_state = train(r, sharded=False)
+    model, grads, state = train(r, sharded=True)
+    weights = torch.cat([p.detach().reshape(-1) for p in model.net.parameters()])
+    every = [torch.zeros_like(weights) for _ in range(2)]
+    dist.all_gather(every, weights)
+    if r == 0:
+        print(repr({
+            "ranks_equal": torch.equal(every[0], every[1]),
+            "max_diff_vs_allreduce": max((a - b).abs().max().item() for a, b in zip(model.net.parameters(), flat.net.parameters())),
+            "moved": (weights - torch.cat([p.detach().reshape(-1) for p in Model().net.parameters()])).abs().min().item() > 0,
+            "views": all(p.data_ptr() == grads.weights[0][a:].data_ptr() for p, a in zip(model.net.parameters(), (0, 32, 64, 96))),
+            "flat": grads.flats[0].numel(), "shard": grads.shards[0].numel(),
+            "state": state, "flat_state": flat_state, "frozen": model.frozen.grad is None}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(rank, args=(tempfile.mktemp(),), nprocs=2)
+"""
+
+
+def test_sharded_ranks_each_update_half_of_the_weights_and_end_with_the_allreduce_weights(tmp_path):
+    """distributed.sync=sharded, two gloo ranks, AdamW: each rank's optimizer holds the state of
+    its half of the flat weights only (each of the 4 parameters starting at a multiple of 128
+    bytes, the buffer cut in two aligned halves), every rank ends with the same weights, equal to
+    those of one all-reduce with the whole optimizer on every rank, and the parameters are views
+    of the flat buffer; a frozen one stays out."""
+    script = tmp_path / "sharded.py"
+    script.write_text(SHARDED)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    got = ast.literal_eval(out.stdout.strip())
+    assert got["ranks_equal"] and got["moved"] and got["views"] and got["frozen"]
+    assert got["max_diff_vs_allreduce"] < 1e-6
+    assert (got["flat"], got["shard"]) == (128, 64)
+    assert got["flat_state"] == 2 * 26 and got["state"] == 2 * 64  # AdamW's two moments, of half the flat weights
 
 
 @pytest.mark.slow  # the two-rank tests run by default; four ranks with `-m slow`

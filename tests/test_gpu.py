@@ -282,10 +282,16 @@ def test_pinned_chunk_load_thread_sleeps_on_the_runs_gpu_while_a_copy_reads_its_
 
 
 def test_graphed_step_trains_like_the_eager_one(tiny_cfg):
+    """The same loss; and the capture's backward found no AccumulateGrad node of the warm-up's
+    stream still alive (PyTorch warns of it: the capture would wait on that stream)."""
+    import warnings
     common = ("loader=prefetch", "loader.shuffle=false", "engine.epochs=3", "model.hidden=32")
     eager = run(gpu(tiny_cfg, *common))
-    graphed = run(gpu(tiny_cfg, *common, "engine.cuda_graph=true"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        graphed = run(gpu(tiny_cfg, *common, "engine.cuda_graph=true"))
     assert graphed["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
+    assert not [w for w in caught if "AccumulateGrad node's stream" in str(w.message)]
 
 
 def test_pinned_gather_graphed_matches_baseline_and_trains_like_eager(tiny_cfg, runs):
@@ -383,14 +389,15 @@ def test_two_gpus_one_run_with_nccl_equal_to_one_gpu(strategy, tmp_path, tiny_cf
 
 
 @two_gpus
-def test_two_gpus_average_in_one_allreduce_as_ddp_does_eager_and_graphed(tmp_path, tracking_uri, runs):
-    """distributed.sync=allreduce over NCCL trains as DDP does (two ranks: averaging halves a sum,
-    exactly), eager and with the all-reduce replayed inside the step's CUDA graph; DDP with a graph
-    is refused in one line, and so is a graph over shards with a short batch."""
+def test_two_gpus_average_in_one_allreduce_or_sharded_as_ddp_does_eager_and_graphed(tmp_path, tracking_uri, runs):
+    """distributed.sync=allreduce and sharded over NCCL train as DDP does (two ranks: averaging
+    halves a sum, exactly; sharded updates each half of the weights on its own rank), eager and
+    with the exchange replayed inside the step's CUDA graph; DDP with a graph is refused in one
+    line, and so is a graph over shards with a short batch."""
     size = ["engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", "loader=gpu_resident",
             "engine.epochs=2", "engine.progress=false", "model.hidden=32"]
     outputs = []
-    for extra in (["-m", "distributed.sync=ddp,allreduce"], ["distributed.sync=allreduce", "engine.cuda_graph=true"],
+    for extra in (["-m", "distributed.sync=ddp,allreduce,sharded"], ["-m", "distributed.sync=allreduce,sharded", "engine.cuda_graph=true"],
                   ["engine.cuda_graph=true"],
                   # 10 batches, 5 a rank, rank 1's last of 20 samples: it would run eagerly beside rank 0's replay
                   ["distributed.sync=allreduce", "engine.cuda_graph=true", "dataset.num_samples=596"]):
@@ -408,13 +415,15 @@ def test_two_gpus_average_in_one_allreduce_as_ddp_does_eager_and_graphed(tmp_pat
     assert short.startswith("error: engine.cuda_graph=true with distributed.sync=allreduce needs every batch full"), short
     found = {(r.data.params["distributed.sync"], r.data.tags["cuda_graph"]): r for r in runs()
              if r.data.tags.get("sweep") != "true" and r.info.status == "FINISHED"}
-    assert sorted(found) == [("allreduce", "false"), ("allreduce", "true"), ("ddp", "false")]
+    flat = [(sync, graph) for sync in ("allreduce", "sharded") for graph in ("false", "true")]
+    assert sorted(found) == sorted([("ddp", "false"), *flat])
     ddp = found["ddp", "false"].data.metrics
-    for key in (("allreduce", "false"), ("allreduce", "true")):
+    for key in flat:
         m = found[key].data.metrics
         assert m["final_loss"] == pytest.approx(ddp["final_loss"], rel=1e-5), key
-        assert m["grad_mb"] == ddp["grad_mb"] and m["grad_allreduce_ms"] > 0, key
-    assert found["allreduce", "true"].data.metrics["graph_replays"] == 8  # 4 steps a rank per epoch, every one replayed
+        assert m["grad_mb"] == pytest.approx(ddp["grad_mb"], abs=1e-3) and m["grad_allreduce_ms"] > 0, key  # aligned views
+        if key[1] == "true":
+            assert m["graph_replays"] == 8, key  # 4 steps a rank per epoch, every one replayed
 
 
 @two_gpus

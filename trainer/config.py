@@ -48,7 +48,7 @@ OPTIMIZER_IMPLS = ("default", "for-loop", "foreach", "fused")
 COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16")
-GRAD_SYNCS = ("ddp", "allreduce")  # distributed.sync: how several ranks average their gradients
+GRAD_SYNCS = ("ddp", "allreduce", "sharded")  # distributed.sync: how several ranks average their gradients
 # GradScaler.step reads from the device whether a gradient overflowed (`.item()`) before it steps
 # the optimizer: a host-side branch that a captured CUDA graph cannot hold.
 FP16_GRAPH_REFUSED = ("engine.precision=fp16 cannot be used with engine.cuda_graph=true (the gradient scaler decides on "
@@ -298,7 +298,9 @@ class DistributedConfig:
     timeout_s: float = 300.0  # how long the ranks' own collectives (errors, results after the loop) wait for a rank
     # How the ranks average their gradients each step (GRAD_SYNCS): ddp, DistributedDataParallel as a
     # user writes it; allreduce, every gradient a view of one flat buffer and one all-reduce of it after
-    # backward (no per-parameter hooks; the only kind a CUDA graph with several ranks can hold).
+    # backward (no per-parameter hooks; a CUDA graph with several ranks can hold it); sharded, as allreduce
+    # but a reduce-scatter, each rank's optimizer updating its 1/N slice of the weights, and an all-gather
+    # of them (ZeRO's first stage: the same bytes exchanged, 1/N of the optimizer's work and state a rank).
     sync: str = "ddp"
     bucket_cap_mb: float = 25.0  # DDP's gradient buckets: each is all-reduced once its gradients are ready (PyTorch's default)
     gradient_as_bucket_view: bool = False  # DDP: gradients are views of the buckets (no copy into them; PyTorch's default: false)

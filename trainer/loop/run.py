@@ -71,7 +71,7 @@ class Parts:
     mem_base: int = 0  # GPU memory allocated before the run (`gpu_memory_baseline`)
     window: Optional[KernelWindow] = None  # steps traced after the timed region (`engine.kernel_window_steps`)
     step: object = None  # the step the loop ran (its graph_replays / eager_steps), set by the loop
-    grads: object = None  # several ranks with distributed.sync=allreduce: the flat gradients the step averages
+    grads: object = None  # several ranks with distributed.sync=allreduce or sharded: the flat gradients the step averages
 
 
 def select_device(name: str) -> torch.device:
@@ -210,10 +210,11 @@ def build(cfg, job, device: torch.device, ranks: Ranks, tracker, tmp: Path,
             else:
                 model = models(job.model, dataset.sample_shape, dataset.num_classes, device)
             model.check(*dataset.example(device))  # a user's module against its loss, on one sample, before the run
-        model = ranks.wrap(model)  # DDP, or the flat gradients of distributed.sync=allreduce
+        model = ranks.wrap(model)  # DDP, or the flat gradients of distributed.sync=allreduce or sharded
         with ranks.agree():
             ranks.check_plan(loader.batches_per_rank(), cfg.engine, graphed, loader.has_short_batches())
-        optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed)
+        optimizer = build_optimizer(cfg.engine.optimizer, model, capturable=graphed,
+                                    params=ranks.grads.updated() if ranks.grads is not None else None)
         planned = planned_steps(cfg.engine, loader)
         warn_untimed(planned, cfg.engine.warmup_steps)
         warn_compile_timed(cfg.engine.compile, cfg.engine.warmup_steps, graphs=device.type == "cuda")

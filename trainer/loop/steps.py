@@ -35,7 +35,8 @@ def make_step(model, optimizer, graphed: bool, precision: str = "fp32", compile:
     """Return `step(x, y) -> loss` for the engine loop. `compile`: `engine.compile`'s mode. `feed`:
     the loader's `graph_feed`, whose next batch a graphed step fetches inside its graph
     (`loader.gather_in_graph`). `grads`: several ranks with `distributed.sync=allreduce`, the
-    ranks' `FlatGradients`, which the step zeroes before backward and averages after it."""
+    ranks' `FlatGradients` (or `ShardedGradients`), which the step zeroes before backward, averages
+    after it and shares after the optimizer's step."""
     if compile != "off":
         return CompiledStep(model, optimizer, precision, mode=compile, grads=grads)
     if graphed:
@@ -46,8 +47,9 @@ def make_step(model, optimizer, graphed: bool, precision: str = "fp32", compile:
 class EagerStep:
     """zero_grad, forward+loss, backward, optimizer step: the four lines of a plain PyTorch loop;
     under bf16 or fp16, forward+loss in autocast, and for fp16 the loss scaled by a `GradScaler`.
-    With `grads` (`distributed.sync=allreduce`) the gradients are zeroed in their flat buffer and
-    averaged over the ranks between backward and the optimizer's step."""
+    With `grads` (`distributed.sync=allreduce` or `sharded`) the gradients are zeroed in their flat
+    buffer and averaged over the ranks between backward and the optimizer's step, and after the
+    step each rank's updated slice of the weights goes to every rank (`sharded`)."""
 
     graph_replays = 0  # an eager step never replays a graph
 
@@ -84,6 +86,8 @@ class EagerStep:
             if grads is not None:
                 grads.average()
             self.optimizer.step()
+            if grads is not None:
+                grads.share()  # distributed.sync=sharded: each rank's updated slice of the weights to all
         else:
             self.scaler.scale(loss).backward()
             if grads is not None:
@@ -92,6 +96,8 @@ class EagerStep:
             # per step, as in any fp16 loop with a GradScaler), then adapts the scale.
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if grads is not None:
+                grads.share()
         return loss
 
 
@@ -140,7 +146,12 @@ class GraphedStep:
             for _ in range(self.warmup_iters):
                 loss = self.eager(self.static_x, self.static_y)
         torch.cuda.current_stream(device).wait_stream(side)
-        self._losses = torch.zeros(LOSS_SLOTS, dtype=loss.dtype, device=device)
+        dtype = loss.dtype
+        # The last warm-up's loss keeps its autograd graph alive, and with it each parameter's
+        # AccumulateGrad node of the side stream: backward at capture would then make the capture's
+        # stream wait on that stream (PyTorch warns of the mismatch). Dropped, capture makes its own.
+        del loss
+        self._losses = torch.zeros(LOSS_SLOTS, dtype=dtype, device=device)
         self._slot = torch.zeros(1, dtype=torch.long, device=device)  # where the next replay writes its loss
         self._loss_views = self._losses.unbind()  # made once: a step hands one out, it makes no tensor
         grads = self.eager.grads
@@ -163,6 +174,8 @@ class GraphedStep:
                 if grads is not None:
                     grads.average()
                 self.optimizer.step()
+                if grads is not None:
+                    grads.share()
             # The loss into its slot of the ring, inside the graph: the meter holds the returned
             # slot for up to 32 steps, and the next replays write the next slots.
             self._losses.index_copy_(0, self._slot, loss.detach().reshape(1))
@@ -302,11 +315,14 @@ IMPL_KWARGS = {"default": {}, "for-loop": {"foreach": False}, "foreach": {"forea
 FUSED_DEVICES = ("cpu", "cuda")
 
 
-def build_optimizer(cfg, model, capturable: bool = False):
+def build_optimizer(cfg, model, capturable: bool = False, params=None):
     """Optimizer named by `engine.optimizer.name` (None for a model without parameters), in the
-    implementation `engine.optimizer.impl` names. `capturable` keeps Adam's step counter on the
-    device so the step can live in a CUDA graph (the fused kernels keep it there anyway)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    implementation `engine.optimizer.impl` names, over the model's trainable parameters or
+    `params` (with `distributed.sync=sharded`: this rank's slices of the flat weights). `capturable`
+    keeps Adam's step counter on the device so the step can live in a CUDA graph (the fused
+    kernels keep it there anyway)."""
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return None
     name = getattr(cfg, "impl", "default")  # (configs saved before engine.optimizer.impl existed: torch's default)

@@ -5,7 +5,10 @@ is one MLflow parent run tagged `world_size=N`. This reads the latest sweep of e
 an experiment and lines up every job (strategy, model, step) across them:
 
 - *step*: how the job's step ran, eager or as a CUDA graph, and how its ranks averaged the
-  gradients (`distributed.sync`: ddp, or allreduce, one all-reduce of a flat buffer);
+  gradients (`distributed.sync`: ddp; allreduce, one all-reduce of a flat buffer; sharded, a
+  reduce-scatter, each rank updating its slice of the weights, and an all-gather). One GPU
+  exchanges nothing: a job without a one-GPU run of its own is compared with the one-GPU run of
+  the same strategy, model and step under another sync;
 
 - *samples/s*: all ranks' samples over the timed region; *× 1 GPU* that over the same job on one
   GPU, and *efficiency* that over N (1.00 = perfect scaling);
@@ -84,9 +87,11 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
         overlaps.update(report.overlapping(runs))
         for r in runs:
             jobs.setdefault((r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?"), step_kind(r)), {})[size] = r
+    # alone, distributed.sync changes nothing: (strategy, model, eager or graph) -> a one-GPU run
+    alone = {(loader, model, kind.split(",")[0]): by_size[1] for (loader, model, kind), by_size in jobs.items() if 1 in by_size}
     rows = []
     for (loader, model, kind), by_size in jobs.items():
-        one = by_size.get(1)
+        one = by_size.get(1) or alone.get((loader, model, kind.split(",")[0]))
         one_m = one.data.metrics if one is not None and one.info.status == "FINISHED" else {}
         for size, r in sorted(by_size.items()):
             m = r.data.metrics if r.info.status == "FINISHED" else {}
