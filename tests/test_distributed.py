@@ -420,9 +420,10 @@ def test_flat_gradients_are_views_averaged_in_one_collective(tmp_path, monkeypat
     try:
         model = _TwoDtypes()
         grads = distributed.FlatGradients(model, world_size=1)
-        assert grads.buckets() == [2 * 8, (12 + 4) * 4]  # in the parameters' order: the scale's first
+        # in the parameters' order, the scale's first; each view starting on a 128-byte boundary
+        assert grads.buckets() == [128, 2 * 128]  # 2 float64, then 12 and 4 float32, each rounded up to 128 bytes
         assert [p.grad.data_ptr() for p in model.parameters()] == [
-            grads.flats[0].data_ptr(), grads.flats[1].data_ptr(), grads.flats[1].data_ptr() + 48]
+            grads.flats[0].data_ptr(), grads.flats[1].data_ptr(), grads.flats[1].data_ptr() + 128]
         x = torch.randn(5, 3)
         collectives = []
         real = torch.distributed.all_reduce
@@ -431,7 +432,7 @@ def test_flat_gradients_are_views_averaged_in_one_collective(tmp_path, monkeypat
             grads.zero()
             model(x).backward()
             grads.average()
-        assert collectives == [2, 16] * 2  # one all-reduce per flat buffer and step
+        assert collectives == [16, 64] * 2  # one all-reduce per flat buffer and step
         reference = _TwoDtypes()
         reference.load_state_dict(model.state_dict())
         reference(x).backward()
@@ -598,7 +599,7 @@ def test_two_ranks_averaging_in_one_all_reduce_or_sharded_train_as_ddp(tmp_path,
 
 
 SHARDED = """
-import sys, tempfile, torch, torch.distributed as dist
+import copy, sys, tempfile, torch, torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 from trainer.loop.distributed import FlatGradients, ShardedGradients
@@ -607,63 +608,97 @@ from trainer.loop.steps import EagerStep
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(5, 3), nn.Tanh(), nn.Linear(3, 2))  # 18 + 8 = 26 weights
+        # 300, 60, 120 and 2 weights, at 0, 320, 384 and 512 (128-byte starts): a rank's slice cuts the first in two
+        self.net = nn.Sequential(nn.Linear(5, 60), nn.Tanh(), nn.Linear(60, 2))
         self.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
 
     def loss(self, x, y):
         return F.mse_loss(self.net(x), y)
 
-def train(r, sharded):
+def batches(r, steps=5):
+    data = torch.Generator().manual_seed(10 + r)  # each rank its own batches
+    return [(torch.randn(4, 5, generator=data), torch.randn(4, 2, generator=data)) for _ in range(steps)]
+
+def train(r, n, how, make_optimizer):
     torch.manual_seed(r)  # each rank its own initial weights: rank 0's are broadcast
     model = Model()
-    grads = (ShardedGradients(model, 2, r) if sharded else FlatGradients(model, 2))
-    optimizer = torch.optim.AdamW(grads.updated(), lr=0.05, weight_decay=0.1)
+    grads = {"sharded": lambda: ShardedGradients(model, n, r), "allreduce": lambda: FlatGradients(model, n)}[how]()
+    start = [p.detach().clone() for p in model.net.parameters()]
+    optimizer = make_optimizer(grads.updated())
     step = EagerStep(model, optimizer, grads=grads)
-    data = torch.Generator().manual_seed(10 + r)  # each rank its own batches
-    for _ in range(5):
-        step(torch.randn(4, 5, generator=data), torch.randn(4, 2, generator=data))
-    state = sum(v.numel() for s in optimizer.state.values() for v in s.values() if v.dim())
-    return model, grads, state
+    for x, y in batches(r):
+        step(x, y)
+    return model, grads, optimizer, start
 
-def rank(r, path):
-    dist.init_process_group("gloo", store=dist.FileStore(path, 2), rank=r, world_size=2)
-    flat, _, flat_state = train(r, sharded=False)
-    model, grads, state = train(r, sharded=True)
-    weights = torch.cat([p.detach().reshape(-1) for p in model.net.parameters()])
-    every = [torch.zeros_like(weights) for _ in range(2)]
+def one_process(n, make_optimizer):
+    # every rank's batches in one batch: its mean loss is the mean of the ranks' (equal batch sizes)
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    for steps in zip(*(batches(r) for r in range(n))):
+        optimizer.zero_grad()
+        model.loss(torch.cat([x for x, _ in steps]), torch.cat([y for _, y in steps])).backward()
+        optimizer.step()
+    return model
+
+def flat_weights(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.net.parameters()])
+
+def rank(r, path, n):
+    dist.init_process_group("gloo", store=dist.FileStore(path, n), rank=r, world_size=n)
+    sgd = lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=0.01)  # an update that scales with the gradient
+    adamw = lambda params: torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+    by_sgd = flat_weights(train(r, n, "sharded", sgd)[0])
+    flat, _, flat_opt, _ = train(r, n, "allreduce", adamw)
+    model, grads, optimizer, start = train(r, n, "sharded", adamw)
+    weights = flat_weights(model)
+    every = [torch.zeros_like(weights) for _ in range(n)]
     dist.all_gather(every, weights)
+    moments = lambda opt: sum(v.numel() for s in opt.state.values() for v in s.values() if v.dim())
+    optimizer.zero_grad()  # drops the slice's gradient: the check says so
+    try:
+        grads.check_views()
+        dropped = "not caught"
+    except RuntimeError as e:
+        dropped = str(e)
     if r == 0:
         print(repr({
-            "ranks_equal": torch.equal(every[0], every[1]),
-            "max_diff_vs_allreduce": max((a - b).abs().max().item() for a, b in zip(model.net.parameters(), flat.net.parameters())),
-            "moved": (weights - torch.cat([p.detach().reshape(-1) for p in Model().net.parameters()])).abs().min().item() > 0,
-            "views": all(p.data_ptr() == grads.weights[0][a:].data_ptr() for p, a in zip(model.net.parameters(), (0, 32, 64, 96))),
+            "ranks_equal": all(torch.equal(every[0], w) for w in every),
+            "sgd_vs_one_process": (by_sgd - flat_weights(one_process(n, sgd))).abs().max().item(),
+            "adamw_vs_allreduce": (weights - flat_weights(flat)).abs().max().item(),
+            "moved": (weights - torch.cat([p.reshape(-1) for p in start])).abs().min().item() > 0,
+            "views": [p.data_ptr() == grads.weights[0][a:].data_ptr() for p, a in zip(model.net.parameters(), (0, 320, 384, 512))],
             "flat": grads.flats[0].numel(), "shard": grads.shards[0].numel(),
-            "state": state, "flat_state": flat_state, "frozen": model.frozen.grad is None}), flush=True)
+            "state": moments(optimizer), "flat_state": moments(flat_opt), "frozen": model.frozen.grad is None,
+            "dropped": dropped}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(rank, args=(tempfile.mktemp(),), nprocs=2)
+    n = int(sys.argv[1])
+    torch.multiprocessing.spawn(rank, args=(tempfile.mktemp(), n), nprocs=n)
 """
 
 
-def test_sharded_ranks_each_update_half_of_the_weights_and_end_with_the_allreduce_weights(tmp_path):
-    """distributed.sync=sharded, two gloo ranks, AdamW: each rank's optimizer holds the state of
-    its half of the flat weights only (each of the 4 parameters starting at a multiple of 128
-    bytes, the buffer cut in two aligned halves), every rank ends with the same weights, equal to
-    those of one all-reduce with the whole optimizer on every rank, and the parameters are views
-    of the flat buffer; a frozen one stays out."""
+@pytest.mark.parametrize("ranks, shard", [(2, 288), (3, 192)])
+def test_sharded_ranks_each_update_a_slice_and_train_as_one_process_on_all_batches(tmp_path, ranks, shard):
+    """distributed.sync=sharded over gloo, with a parameter cut between two ranks' slices: with
+    SGD (whose update scales with the gradient, so a sum instead of the mean shows) the weights
+    are those of one process training on every rank's batches at once; with AdamW every rank ends
+    with the same weights as one all-reduce with the whole optimizer on every rank, and each holds
+    the optimizer's state of its slice only. Each parameter is a view of the flat buffer at a
+    128-byte boundary, a frozen one stays out, and a dropped slice gradient is caught."""
     script = tmp_path / "sharded.py"
     script.write_text(SHARDED)
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, str(script), str(ranks)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert out.returncode == 0, out.stderr
     got = ast.literal_eval(out.stdout.strip())
-    assert got["ranks_equal"] and got["moved"] and got["views"] and got["frozen"]
-    assert got["max_diff_vs_allreduce"] < 1e-6
-    assert (got["flat"], got["shard"]) == (128, 64)
-    assert got["flat_state"] == 2 * 26 and got["state"] == 2 * 64  # AdamW's two moments, of half the flat weights
+    assert got["ranks_equal"] and got["moved"] and got["views"] == [True] * 4 and got["frozen"]
+    assert got["sgd_vs_one_process"] < 1e-6 and got["adamw_vs_allreduce"] < 1e-6
+    assert (got["flat"], got["shard"]) == (576, shard)  # 514 weights, aligned, in equal aligned slices
+    assert got["flat_state"] == 2 * 482 and got["state"] == 2 * shard  # AdamW's two moments: all weights, or one slice
+    assert got["dropped"].startswith("the gradient of this rank's slice was replaced"), got["dropped"]
 
 
 @pytest.mark.slow  # the two-rank tests run by default; four ranks with `-m slow`

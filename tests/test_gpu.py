@@ -289,7 +289,11 @@ def test_graphed_step_trains_like_the_eager_one(tiny_cfg):
     eager = run(gpu(tiny_cfg, *common))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        graphed = run(gpu(tiny_cfg, *common, "engine.cuda_graph=true"))
+        torch.set_warn_always(True)  # PyTorch warns of it once per process: an earlier test's graph would hide it
+        try:
+            graphed = run(gpu(tiny_cfg, *common, "engine.cuda_graph=true"))
+        finally:
+            torch.set_warn_always(False)
     assert graphed["final_loss"] == pytest.approx(eager["final_loss"], rel=1e-4)
     assert not [w for w in caught if "AccumulateGrad node's stream" in str(w.message)]
 

@@ -359,6 +359,7 @@ class ShardedGradients(FlatGradients):
                 shard.grad = flat[rank * size:(rank + 1) * size]
                 self.weights.append(weights)
                 self.shards.append(shard)
+        self.shard_grads = [shard.grad for shard in self.shards]
 
     def updated(self) -> List[torch.Tensor]:
         """This rank's slice of each flat buffer of weights (its `.grad` the slice of the gradients)."""
@@ -366,6 +367,10 @@ class ShardedGradients(FlatGradients):
 
     def check_views(self) -> None:
         super().check_views()
+        if any(shard.grad is not grad for shard, grad in zip(self.shards, self.shard_grads)):
+            # the optimizer would skip a slice without a gradient, and the all-gather keep the ranks equal: no error, no training
+            raise RuntimeError("the gradient of this rank's slice was replaced after distributed.sync=sharded made it a view "
+                               "of its flat buffer (optimizer.zero_grad() sets it to None): zero it with FlatGradients.zero()")
         if any(p.data_ptr() != address for p, address in self.addresses):
             raise RuntimeError("a parameter's storage was replaced after distributed.sync=sharded made it a view of its "
                                "flat buffer (an assignment to `.data`): its updates would not reach the other ranks")

@@ -87,8 +87,12 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
         overlaps.update(report.overlapping(runs))
         for r in runs:
             jobs.setdefault((r.data.params.get("loader.name", "?"), r.data.params.get("model.name", "?"), step_kind(r)), {})[size] = r
-    # alone, distributed.sync changes nothing: (strategy, model, eager or graph) -> a one-GPU run
-    alone = {(loader, model, kind.split(",")[0]): by_size[1] for (loader, model, kind), by_size in jobs.items() if 1 in by_size}
+    # alone, distributed.sync changes nothing: (strategy, model, eager or graph) -> a one-GPU run,
+    # allreduce's where there is one (the run a sharded job's rows are documented against)
+    alone: Dict[tuple, Run] = {}
+    for (loader, model, kind), by_size in sorted(jobs.items(), key=lambda job: job[0][2].endswith(", allreduce")):
+        if 1 in by_size:
+            alone[loader, model, kind.split(",")[0]] = by_size[1]
     rows = []
     for (loader, model, kind), by_size in jobs.items():
         one = by_size.get(1) or alone.get((loader, model, kind.split(",")[0]))
