@@ -680,7 +680,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("ranks, shard", [(2, 288), (3, 192)])
+@pytest.mark.parametrize("ranks, shard", [(2, 288), pytest.param(3, 192, marks=pytest.mark.slow)])  # three ranks with `-m slow`
 def test_sharded_ranks_each_update_a_slice_and_train_as_one_process_on_all_batches(tmp_path, ranks, shard):
     """distributed.sync=sharded over gloo, with a parameter cut between two ranks' slices: with
     SGD (whose update scales with the gradient, so a sum instead of the mean shows) the weights
