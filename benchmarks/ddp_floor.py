@@ -22,6 +22,9 @@ torch's default implementation, as the preset). How the gradients are averaged (
 - `sharded-overlap`: sharded in buckets of `--bucket-mb` in backward's order, each bucket's
   reduce-scatter started by a hook while backward goes on, and each bucket's update (an
   optimizer per bucket) and all-gather as soon as its reduce-scatter is done;
+- `sharded-copy`: sharded, the slices moved by the copy engines between buffers the ranks map
+  from each other, each bucket's reduce-scatter started while backward goes on (the engine's
+  `distributed.exchange=copy`, its `PeerCopyShards` driven by this loop; CUDA only);
 - `zero`: DDP, with PyTorch's `ZeroRedundancyOptimizer` around Adam (each rank updates the whole
   parameters dealt to it, then broadcasts them), as a user with several GPUs writes ZeRO; eager;
 - `none`: each rank trains alone, nothing exchanged: what several processes cost each other on
@@ -69,10 +72,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.loop.distributed import all_gather_flat, flat_layout, reduce_scatter_flat
+from trainer.loop.distributed import PeerCopyShards, all_gather_flat, flat_layout, reduce_scatter_flat
 from trainer.loop.profiling import busy_time
 
-SYNCS = ("ddp", "allreduce", "sharded", "sharded-overlap", "zero", "none", "ddp-nocomm")
+SYNCS = ("ddp", "allreduce", "sharded", "sharded-overlap", "sharded-copy", "zero", "none", "ddp-nocomm")
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaStreamQuery")
 
 
@@ -244,6 +247,14 @@ def kernel_summary(trace: dict, steps: int) -> dict:
     other ranks included."""
     spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in trace.get("traceEvents", [])
              if e.get("cat") == "kernel" and "dur" in e]
+    # copies (a copy engine's, beside the kernels) and one step's kernels and copies in order: the
+    # middle one of the steps, by count (a replayed graph runs the same ones every step)
+    copies = [(e["ts"], e["ts"] + e["dur"], e["name"], e.get("tid")) for e in trace.get("traceEvents", [])
+              if e.get("cat") == "gpu_memcpy" and "dur" in e]
+    timeline = sorted([(b, e, n, None) for b, e, n in spans] + copies)
+    per = len(timeline) // steps if steps else 0
+    one = timeline[per * (steps // 2):per * (steps // 2 + 1)]
+    step_timeline = [[round(b - one[0][0], 1), round(e - b, 1), n[:48]] for b, e, n, _ in one] if one else []
     by_name: dict = {}
     for begin, end, name in spans:
         by_name[name[:80]] = by_name.get(name[:80], 0.0) + (end - begin)
@@ -253,7 +264,9 @@ def kernel_summary(trace: dict, steps: int) -> dict:
     return {"kernels_ms_per_step": {name: per_step(us) for name, us in top},
             "kernel_count_per_step": round(len(spans) / steps, 1),
             "gpu_busy_ms_per_step": per_step(busy),
-            "nccl_kernel_ms_per_step": per_step(sum(us for name, us in by_name.items() if "nccl" in name.lower()))}
+            "nccl_kernel_ms_per_step": per_step(sum(us for name, us in by_name.items() if "nccl" in name.lower())),
+            "copy_ms_per_step": per_step(sum(end - begin for begin, end, _, _ in copies)),
+            "one_step_us": step_timeline}
 
 
 def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.device):
@@ -280,6 +293,9 @@ def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.d
             model = DistributedDataParallel(model, device_ids=[device.index] if cuda else None, bucket_cap_mb=args.bucket_mb)
         elif how == "sharded-overlap":
             flat = OverlappedShards(params, size, dist.get_rank(), args.bucket_mb * 2**20)
+        elif how == "sharded-copy":  # the engine's own exchange (distributed.exchange=copy), in this loop
+            flat = PeerCopyShards(model, size, dist.get_rank(), dist.group.WORLD, args.bucket_mb, timeout_s=300)
+            flat.updated = flat.updated()
     if side is not None:
         torch.cuda.current_stream(device).wait_stream(side)
     kwargs = {"fused": True} if args.impl == "fused" else {}
@@ -364,9 +380,11 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="rank 0's host operators and waits, from torch's profiler")
     p.add_argument("--turns", type=int, default=0, help="rounds of rank 0 alone, then every rank, in turns")
     args = p.parse_args(argv)
+    if args.sync == "sharded-copy" and not torch.cuda.is_available():
+        p.error("--sync sharded-copy maps GPU memory across the ranks: it needs CUDA")
     if args.graph and args.sync == "zero":
         p.error("--sync zero is eager: ZeroRedundancyOptimizer's broadcasts and its bookkeeping run on the host")
-    if args.graph and args.sync in ("none", "sharded", "sharded-overlap") and args.turns:
+    if args.graph and args.sync in ("none", "sharded", "sharded-overlap", "sharded-copy") and args.turns:
         # rank 0's two graphs (its own model's alone, and this one) replayed with an illegal address
         # (torch 2.11, H100 and H200); with --sync allreduce they replay as they should
         p.error(f"--graph with --sync {args.sync} and --turns is not supported: time --sync {args.sync} --graph without --turns")

@@ -39,20 +39,21 @@ for n in ${COUNTS:-1 2 4}; do
     continue
   fi
   launch "$n" experiment=multi_gpu "$@"
-  syncs=allreduce
-  [ "$n" -gt 1 ] && syncs=allreduce,sharded
+  exchanges=allreduce
+  [ "$n" -gt 1 ] && exchanges=allreduce,sharded,sharded_copy
   launch "$n" experiment=multi_gpu loader=gpu_resident,pinned_chunk,pinned_uva model=autoencoder \
-    distributed.sync=$syncs engine.cuda_graph=true loader.drop_last=true tracking.experiment=multi_gpu_graphed "$@"
+    +experiment/grad_exchange=$exchanges distributed.bucket_cap_mb=${COPY_BUCKET_MB:-8} \
+    engine.cuda_graph=true loader.drop_last=true tracking.experiment=multi_gpu_graphed "$@"
   if [ "$n" -gt 1 ]; then
     launch "$n" experiment=multi_gpu loader=pinned_chunk,pinned_uva,pinned_gather model=noop \
       'loader.shared_host_copy=choice(false)' tracking.experiment=multi_gpu_own_copies "$@"
   fi
   # the references of the eager DDP rows and of the graphed ones; on several GPUs also each rank's
   # step alone against all of them, in turns (efficiency_in_turns; not for sharded)
-  for how in "--sync ddp" "--sync allreduce --graph" "--sync sharded --graph"; do
-    [ "$n" -eq 1 ] && [ "$how" = "--sync sharded --graph" ] && continue  # alone, the same loop as allreduce
+  for how in "--sync ddp" "--sync allreduce --graph" "--sync sharded --graph" "--sync sharded-copy --graph --bucket-mb ${COPY_BUCKET_MB:-8}"; do
+    [ "$n" -eq 1 ] && [[ "$how" == "--sync sharded"* ]] && continue  # alone, the same loop as allreduce
     [ $(( deadline - $(date +%s) )) -lt 25 ] && { echo "no time left for ddp_floor.py $how on $n GPU(s)" >&2; continue; }
-    turns="--turns 4"; [ "$how" = "--sync sharded --graph" ] && turns=""  # (ddp_floor.py refuses turns with it)
+    turns="--turns 4"; [[ "$how" == "--sync sharded"* ]] && turns=""  # (ddp_floor.py refuses turns with them)
     timeout -k 10 60 python -m torch.distributed.run --standalone --nproc_per_node="$n" benchmarks/ddp_floor.py $how $turns \
       | tee -a outputs/multi_gpu_floor.jsonl || echo "the hand-written loop ($how) on $n GPU(s) ended with status $?" >&2
   done

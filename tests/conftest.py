@@ -73,7 +73,25 @@ def pytest_configure(config):
                                        "(the code under test creates the store, as on a first run)")
 
 
+# Variants of a case the default run keeps (another strategy's, another file's, another grammar
+# error's line), each several seconds on two cores: they run with `-m slow`, which keeps the default
+# run within CI's time.
+SLOW_VARIANTS = {
+    "test_errors.py::test_more_host_memory_than_available_fails_before_allocating[pinned_chunk]",
+    "test_errors.py::test_more_host_memory_than_available_fails_before_allocating[pinned_gather]",
+    "test_errors.py::test_more_host_memory_than_available_fails_before_allocating[iterable_chunks]",
+    "test_errors.py::test_a_sqlite_file_mlflow_cannot_use_is_refused_untouched[an older MLflow's database]",
+    "test_errors.py::test_a_sqlite_file_mlflow_cannot_use_is_refused_untouched[a newer MLflow's database]",
+    "test_hydra_errors.py::test_a_sweep_hydra_cannot_expand_is_one_line_and_records_nothing[an interval]",
+    "test_hydra_errors.py::test_a_sweep_hydra_cannot_expand_is_one_line_and_records_nothing[a bad range]",
+    "test_hydra_errors.py::test_a_sweep_hydra_cannot_expand_is_one_line_and_records_nothing[a glob matching nothing]",
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.split("/")[-1] in SLOW_VARIANTS:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -317,31 +318,55 @@ def test_scaling_table_lines_up_each_job_across_gpu_counts(tiny_cfg, tracking_ur
 
 def test_the_scaling_table_keeps_graphed_jobs_apart_from_eager_ones(tiny_cfg, tracking_uri):
     """A job graphed with one all-reduce is its own row, against the same graphed job on one GPU;
-    a sharded job, run only on two GPUs, against that same one-GPU run (alone, no sync differs)."""
+    a sharded job, run only on two GPUs, against that same one-GPU run (alone, no sync differs),
+    and one sharded by the copy engines is a row of its own."""
     client = MlflowClient(tracking_uri)
     for size, thr in ((1, 2000.0), (2, 3600.0)):
         parent_id = sweep.start_parent(tiny_cfg().tracking, f"at {size}", ["engine.cuda_graph"], {"world_size": str(size)})
         for graph in ("false", "true"):
             run(tiny_cfg(f"engine.cuda_graph={graph}", "distributed.sync=allreduce", f"tracking.parent_run_id={parent_id}"))
         if size == 2:
-            run(tiny_cfg("engine.cuda_graph=true", "distributed.sync=sharded", f"tracking.parent_run_id={parent_id}"))
+            for exchange in ("nccl", "copy"):
+                run(tiny_cfg("engine.cuda_graph=true", "distributed.sync=sharded", f"distributed.exchange={exchange}",
+                             f"tracking.parent_run_id={parent_id}"))
     for r in [c for size in (1, 2) for c in report.children(client, scaling.latest_sweeps(client, "feedbench")[size])]:
         client.set_tag(r.info.run_id, "cuda_graph", r.data.params["engine.cuda_graph"].lower())  # as on a GPU
         two = r.data.tags["mlflow.parentRunId"] == scaling.latest_sweeps(client, "feedbench")[2].info.run_id
         graphed = r.data.params["engine.cuda_graph"].lower() == "true"
         sharded = r.data.params["distributed.sync"] == "sharded"
-        client.log_metric(r.info.run_id, "throughput_samples_per_s", (3800.0 if sharded else 3600.0 if graphed else 3000.0) if two else 2000.0)
+        copied = r.data.params["distributed.exchange"] == "copy"
+        client.log_metric(r.info.run_id, "throughput_samples_per_s",
+                          (3900.0 if copied else 3800.0 if sharded else 3600.0 if graphed else 3000.0) if two else 2000.0)
     rows = scaling.scaling_rows(client, scaling.latest_sweeps(client, "feedbench"))
     assert sorted((r["step"], r["gpus"], r["efficiency"]) for r in rows) == [
         ("eager, allreduce", 1, 1.0), ("eager, allreduce", 2, 0.75), ("graph, allreduce", 1, 1.0), ("graph, allreduce", 2, 0.9),
-        ("graph, sharded", 2, 0.95)]
+        ("graph, sharded", 2, 0.95), ("graph, sharded by copy", 2, 0.975)]
 
 
-def _ranks(size: int, sync: str) -> distributed.Ranks:
-    """A `Ranks` as rank 0 of `size` sees it, without joining a process group."""
+def _ranks(size: int, sync: str, exchange: str = "nccl", device: str = "cpu", on_host: Optional[int] = None) -> distributed.Ranks:
+    """A `Ranks` as rank 0 of `size` sees it (`on_host` of them on its host), without joining a process group."""
     ranks = distributed.Ranks.__new__(distributed.Ranks)
     ranks.rank, ranks.world_size, ranks.sync, ranks.grads = 0, size, sync, None
+    ranks.exchange_with, ranks.device_, ranks.local_world_size = exchange, torch.device(device), on_host or size
     return ranks
+
+
+def test_the_copy_exchange_moves_sharded_slices_between_gpus_of_one_host(tiny_cfg):
+    """distributed.exchange=copy maps the GPUs' buffers across the ranks: it is refused in one line
+    for another sync, on the CPU and across hosts; a world of one ignores it; a bad value is named."""
+    with pytest.raises(ConfigError, match=r"^distributed.exchange=copy moves the slices of distributed.sync=sharded \(got "
+                                          r"distributed.sync=allreduce\): set distributed.sync=sharded, or distributed.exchange=nccl$"):
+        _ranks(2, "allreduce", "copy", "cuda:0").validate(tiny_cfg())
+    with pytest.raises(ConfigError, match=r"^distributed.exchange=copy maps each GPU's buffers .*: set engine.device=cuda, "
+                                          r"or distributed.exchange=nccl$"):
+        _ranks(2, "sharded", "copy").validate(tiny_cfg())
+    with pytest.raises(ConfigError, match=r"^distributed.exchange=copy needs every rank on one host \(got 4 ranks, 2 on this "
+                                          r"host\): set distributed.exchange=nccl$"):
+        _ranks(4, "sharded", "copy", "cuda:0", on_host=2).validate(tiny_cfg())
+    _ranks(2, "sharded", "copy", "cuda:0").validate(tiny_cfg("engine.cuda_graph=true"))
+    _ranks(1, "allreduce", "copy").validate(tiny_cfg())
+    with pytest.raises(ConfigError, match=r"^distributed.exchange must be one of nccl, copy \(got 'nvlink'\): set distributed.exchange=nccl$"):
+        validate(tiny_cfg("distributed.exchange=nvlink"))
 
 
 def test_a_graph_with_several_ranks_needs_the_all_reduce_it_can_hold(tiny_cfg):

@@ -431,6 +431,31 @@ def test_two_gpus_average_in_one_allreduce_or_sharded_as_ddp_does_eager_and_grap
 
 
 @two_gpus
+def test_two_gpus_sharded_by_copy_engines_trains_as_nccls_sharded_eager_and_graphed(tmp_path, tracking_uri, runs):
+    """distributed.exchange=copy (the ranks' buffers mapped into each other, each bucket's slice
+    copied by the copy engines while backward runs; a bucket a parameter here): the same losses as
+    NCCL's reduce-scatter and all-gather, eager and replayed in the step's graph."""
+    size = ["engine.device=cuda", "dataset.shape=[64,64]", "dataset.num_samples=512", "loader=gpu_resident",
+            "engine.epochs=2", "engine.progress=false", "model.hidden=32", "distributed.sync=sharded",
+            "distributed.bucket_cap_mb=0.1", "-m", "distributed.exchange=nccl,copy", "engine.cuda_graph=false,true"]
+    proc = _torchrun(tmp_path, tracking_uri, *size, f"hydra.sweep.dir={tmp_path}/sweep", start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    found = {(r.data.params["distributed.exchange"], r.data.tags["cuda_graph"]): r.data.metrics for r in runs()
+             if r.data.tags.get("sweep") != "true" and r.info.status == "FINISHED"}
+    assert sorted(found) == [("copy", "false"), ("copy", "true"), ("nccl", "false"), ("nccl", "true")]
+    for graph in ("false", "true"):
+        copy, nccl = found["copy", graph], found["nccl", graph]
+        assert copy["final_loss"] == pytest.approx(nccl["final_loss"], rel=1e-5), graph
+        assert copy["grad_mb"] >= nccl["grad_mb"]  # the same gradients, each bucket padded to the ranks' slices
+    assert found["copy", "true"]["graph_replays"] == 8
+
+
+@two_gpus
 def test_a_failing_rank_ends_an_nccl_run_failed(tmp_path, tracking_uri):
     """Rank 1's DataLoader worker is killed while rank 0 waits in NCCL's all-reduce: the run ends
     FAILED with rank 1's error, and every process exits well before torchrun's SIGKILL."""

@@ -191,8 +191,8 @@ def preset_sweeps(request, tmp_path_factory, data_root, empty_store):
             future.cancel()  # those a failed test left unstarted
 
 
-# The longest sweeps on two cores (copy_4gb's eleven rows take more than a minute): run with `-m slow`.
-LONG_PRESETS = ("copy_4gb", "iterable_chunk_loaders", "pin_memory_cifar", "dataloader_grid")
+# The longest sweeps on two cores (copy_4gb's eleven rows take more than a minute, lightning_vs_loop's 50 s): run with `-m slow`.
+LONG_PRESETS = ("copy_4gb", "iterable_chunk_loaders", "pin_memory_cifar", "dataloader_grid", "lightning_vs_loop")
 
 
 @pytest.mark.parametrize("preset", [pytest.param(p, marks=pytest.mark.slow) if p in LONG_PRESETS else p

@@ -49,6 +49,7 @@ COMPILE_MODES = ("off", "default", "reduce-overhead", "max-autotune", "max-autot
 COMPILE_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 PRECISIONS = ("fp32", "bf16", "fp16")
 GRAD_SYNCS = ("ddp", "allreduce", "sharded")  # distributed.sync: how several ranks average their gradients
+EXCHANGES = ("nccl", "copy")  # distributed.exchange: what moves sharded's slices between the ranks
 # GradScaler.step reads from the device whether a gradient overflowed (`.item()`) before it steps
 # the optimizer: a host-side branch that a captured CUDA graph cannot hold.
 FP16_GRAPH_REFUSED = ("engine.precision=fp16 cannot be used with engine.cuda_graph=true (the gradient scaler decides on "
@@ -302,7 +303,13 @@ class DistributedConfig:
     # but a reduce-scatter, each rank's optimizer updating its 1/N slice of the weights, and an all-gather
     # of them (ZeRO's first stage: the same bytes exchanged, 1/N of the optimizer's work and state a rank).
     sync: str = "ddp"
-    bucket_cap_mb: float = 25.0  # DDP's gradient buckets: each is all-reduced once its gradients are ready (PyTorch's default)
+    # What moves sharded's slices (EXCHANGES): nccl, its reduce-scatter and all-gather after backward;
+    # copy, the GPUs' copy engines between buffers the ranks of one host map from each other, each
+    # bucket's reduce-scatter started while backward runs (CUDA only).
+    exchange: str = "nccl"
+    # Gradient buckets, in backward's order: DDP all-reduces each once its gradients are ready
+    # (PyTorch's default size), exchange=copy reduce-scatters each likewise.
+    bucket_cap_mb: float = 25.0
     gradient_as_bucket_view: bool = False  # DDP: gradients are views of the buckets (no copy into them; PyTorch's default: false)
 
     def __post_init__(self):
@@ -310,6 +317,7 @@ class DistributedConfig:
             raise ConfigError(f"distributed.timeout_s must be a finite number of seconds > 0 (got {self.timeout_s}): "
                               f"set distributed.timeout_s=300")
         one_of("distributed.sync", self.sync, GRAD_SYNCS, "ddp")
+        one_of("distributed.exchange", self.exchange, EXCHANGES, "nccl")
         if not (self.bucket_cap_mb > 0 and math.isfinite(self.bucket_cap_mb)):
             raise ConfigError(f"distributed.bucket_cap_mb must be a finite number of MiB > 0 (got {self.bucket_cap_mb}): "
                               f"set distributed.bucket_cap_mb=25")

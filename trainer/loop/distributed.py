@@ -233,6 +233,13 @@ def flat_layout(numels: List[int], element_size: int, pad_to: int = 1) -> Tuple[
     return offsets, -(-at // (step * pad_to)) * step * pad_to
 
 
+def _broadcast_initial(model: nn.Module) -> None:
+    """Rank 0's weights and buffers to every rank, as DDP does when it wraps a model."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src=0)
+
+
 class FlatGradients:
     """`distributed.sync=allreduce`: every gradient a view of one flat buffer (one per dtype),
     zeroed before backward, and one all-reduce of it after backward averages all of them.
@@ -257,9 +264,7 @@ class FlatGradients:
         """`pad_to`: each flat buffer cut in this many equal aligned slices (`flat_layout`; the gaps
         between the views and the tail are zeros that no view reads)."""
         self.world_size = world_size
-        with torch.no_grad():
-            for t in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(t, src=0)
+        _broadcast_initial(model)
         by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
         for p in model.parameters():
             if p.requires_grad:
@@ -313,6 +318,9 @@ class FlatGradients:
 
     def share(self) -> None:
         """After the optimizer's step: every rank holds every updated weight already."""
+
+    def settle(self) -> None:
+        """After the last step: nothing left in flight."""
 
     def buckets(self) -> List[int]:
         """The bytes each step exchanges, per flat buffer (an all-reduce's, or a reduce-scatter's
@@ -393,6 +401,217 @@ class ShardedGradients(FlatGradients):
             all_gather_flat(weights, shard)
 
 
+class PeerCopyShards:
+    """`distributed.sync=sharded` with `distributed.exchange=copy`: the same slices, updates and
+    results as `ShardedGradients`, the bytes moved by the GPUs' copy engines instead of NCCL's
+    kernels, and both exchanges run beside the step's own work.
+
+    The flat gradients and weights live in symmetric memory (PyTorch's `symm_mem`): every rank
+    maps every other rank's buffers into its own address space (one host: NVLink or PCIe peer
+    access). In backward's order the parameters fill buckets (DDP's rule: a bucket closes once it
+    holds `bucket_cap_mb`), each cut in N aligned slices, one a rank. A side stream does all the
+    exchanging, its steps met by the ranks at device-side barriers (kernels, which a CUDA graph
+    holds):
+    - once backward has added a bucket's last gradient (a hook), the side stream meets the other
+      ranks, copies this rank's slice of that bucket from every peer and averages it into its
+      own, while backward goes on with the layers before;
+    - after backward the optimizer updates this rank's slices;
+    - at the start of the next step (`zero`), the side stream meets the ranks again and copies
+      every peer's updated slices, bucket after bucket in the order the forward pass needs them,
+      while the step zeroes its gradients and runs the first layers' forward: each module's
+      forward first waits for the buckets holding its parameters (a forward pre-hook). The last
+      step's update reaches every rank with `settle()`, after the loop.
+    A copy engine moves bytes without the SMs that NCCL's kernels hold, so what runs beside the
+    step takes little from it (NCCL's reduce-scatter and all-gather run beside the step made the
+    reference step slower, `docs/benchmark.md`).
+
+    Who touches what, when: a peer reads this rank's slice of a bucket's gradients between their
+    meeting at that bucket and their next meeting at the start of a step, and this rank zeroes its
+    gradients only after that meeting. A peer's updated slice is read after that meeting, and the
+    peer changes it only in its next update, after the next step's bucket meetings, which this
+    rank reaches after its copies. A parameter read in the forward of a module that does not
+    hold it, before any module holding it has run its forward in that step, would read its
+    previous value (no model here does that).
+"""
+
+    sync = "sharded"
+
+    def __init__(self, model: nn.Module, world_size: int, rank: int, group, bucket_cap_mb: float, timeout_s: float):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        _broadcast_initial(model)
+        self.world_size, self.rank = world_size, rank
+        self.timeout_ms = int(timeout_s * 1000)
+        device = next(model.parameters()).device
+        self.side = torch.cuda.Stream(device)  # the exchanges, beside the step's own work
+        params = [p for p in model.parameters() if p.requires_grad]
+        by_dtype: Dict[torch.dtype, List[nn.Parameter]] = {}
+        for p in reversed(params):  # backward's order, about: the last layers' gradients come first
+            by_dtype.setdefault(p.dtype, []).append(p)
+        self.views: List[Tuple[nn.Parameter, torch.Tensor]] = []
+        self.addresses: List[Tuple[nn.Parameter, int]] = []
+        self.flats: List[torch.Tensor] = []  # gradients, one per dtype (what `zero` clears)
+        self.bucket_list: List[dict] = []
+        self.handles = []
+        cap = bucket_cap_mb * 2**20
+        for dtype, group_params in by_dtype.items():
+            size = torch.empty((), dtype=dtype).element_size()
+            step = max(1, ALIGN_BYTES // size)
+            plan, bucket, nbytes = [], [], 0
+            # A bucket is closed once it holds `cap` bytes (DDP's rule). It is ready when backward has
+            # reached all its parameters, in practice its last (the closest to the input): a bucket
+            # that ran on into the first layer's bias would wait for the first layer's backward.
+            for p in group_params:
+                bucket.append(p)
+                nbytes += p.numel() * size
+                if nbytes >= cap:
+                    plan.append(bucket)
+                    bucket, nbytes = [], 0
+            plan += [bucket] if bucket else []
+            layouts, total = [], 0
+            for bucket in plan:
+                offsets, numel = flat_layout([p.numel() for p in bucket], size, world_size)
+                layouts.append((total, offsets, numel))
+                total += numel
+            grads = symm_mem.empty(total, dtype=dtype, device=device).zero_()
+            weights = symm_mem.empty(total, dtype=dtype, device=device).zero_()
+            grads_handle, weights_handle = symm_mem.rendezvous(grads, group), symm_mem.rendezvous(weights, group)
+            self.handles += [grads_handle, weights_handle]
+            peers = [r for r in range(world_size) if r != rank]
+            peer_grads = {r: grads_handle.get_buffer(r, (total,), dtype) for r in peers}
+            peer_weights = {r: weights_handle.get_buffer(r, (total,), dtype) for r in peers}
+            with torch.no_grad():
+                for bucket, (start, offsets, numel) in zip(plan, layouts):
+                    for p, at in zip(bucket, offsets):
+                        at += start
+                        weights[at:at + p.numel()].copy_(p.reshape(-1))
+                        p.data = weights[at:at + p.numel()].view_as(p)
+                        p.grad = grads[at:at + p.numel()].view_as(p)
+                        self.views.append((p, p.grad))
+                        self.addresses.append((p, p.data_ptr()))
+                    cut = numel // world_size
+                    mine = slice(start + rank * cut, start + (rank + 1) * cut)
+                    shard = weights[mine]
+                    shard.grad = grads[mine]
+                    b = {"params": bucket, "shard": shard, "grad": shard.grad, "handle": grads_handle,
+                         "theirs": [peer_grads[r][mine] for r in peers],
+                         "recv": torch.empty((len(peers), cut), dtype=dtype, device=device),
+                         "gather": [(weights[start + r * cut:start + (r + 1) * cut],
+                                     peer_weights[r][start + r * cut:start + (r + 1) * cut]) for r in peers],
+                         "ready": torch.cuda.Event(), "done": torch.cuda.Event(), "gathered": torch.cuda.Event(),
+                         "pending": len(bucket)}
+                    self.bucket_list.append(b)
+                    for p in bucket:
+                        p.register_post_accumulate_grad_hook(lambda _, b=b: self._added(b))
+            self.flats.append(grads)
+        self.weights_handle = self.handles[1]
+        self.shards = [b["shard"] for b in self.bucket_list]
+        self.checked = False
+        self.updated_event, self.met = torch.cuda.Event(), torch.cuda.Event()
+        # Each module that holds parameters waits, before its forward, for the buckets holding them
+        # (a shared parameter: every module holding it). A bucket none of whose modules ran their
+        # forward in the first step (parameters read by their owner's parent, or outside `forward`)
+        # is waited for at the start of each step instead: no overlap, never a stale weight.
+        where = {id(p): n for n, b in enumerate(self.bucket_list) for p in b["params"]}
+        self.unwaited = set(range(len(self.bucket_list)))
+        self.waited_at_start: List[int] = []
+        for module in model.modules():
+            mine = sorted({where[id(p)] for p in module._parameters.values() if p is not None and id(p) in where})
+            if mine:
+                module.register_forward_pre_hook(lambda _m, _args, mine=mine: self._wait(mine))
+        # the forward pass needs the first layers first: gathered in the reverse of backward's order
+        self.gather_order = list(reversed(self.bucket_list))
+
+    def _added(self, b: dict) -> None:
+        b["pending"] -= 1
+        if b["pending"] == 0:
+            self._reduce(b)
+
+    def _reduce(self, b: dict) -> None:
+        """This rank's slice of bucket `b`, averaged over the ranks, on the side stream."""
+        b["pending"] = -1  # started
+        b["ready"].record()  # on the stream backward runs on (the graph's, while capturing)
+        self.side.wait_event(b["ready"])
+        with torch.cuda.stream(self.side):
+            # channel 1: the buckets' barriers follow each other on this one stream; channel 0 is the weights'
+            b["handle"].barrier(channel=1, timeout_ms=self.timeout_ms)
+            for recv, theirs in zip(b["recv"], b["theirs"]):
+                recv.copy_(theirs)  # a copy engine reads the peer's memory
+            b["grad"].add_(b["recv"].sum(0) if len(b["recv"]) > 1 else b["recv"][0]).div_(self.world_size)
+            b["done"].record()
+
+    def _gather(self) -> None:
+        """On the side stream, after this rank's last update: meet the ranks, then copy every
+        peer's updated slices, bucket by bucket (`gathered` each)."""
+        self.updated_event.record()
+        self.side.wait_event(self.updated_event)
+        with torch.cuda.stream(self.side):
+            self.weights_handle.barrier(channel=0, timeout_ms=self.timeout_ms)
+            self.met.record()
+            for b in self.gather_order:
+                for mine, theirs in b["gather"]:
+                    mine.copy_(theirs)  # a copy engine reads the peer's memory
+                b["gathered"].record()
+
+    def _wait(self, buckets: List[int]) -> None:
+        stream = torch.cuda.current_stream()
+        for n in buckets:
+            stream.wait_event(self.bucket_list[n]["gathered"])
+            self.unwaited.discard(n)
+
+    def zero(self) -> None:
+        """At the start of a step: the peers' updated slices of the weights on their way (the
+        side stream), and the gradients zeroed once every peer has met here, having finished
+        reading this rank's gradients of the last step."""
+        self._gather()
+        stream = torch.cuda.current_stream()
+        stream.wait_event(self.met)
+        for flat in self.flats:
+            flat.zero_()
+        for n in self.waited_at_start:
+            stream.wait_event(self.bucket_list[n]["gathered"])
+        for b in self.bucket_list:
+            b["pending"] = len(b["params"])
+
+    def updated(self) -> List[torch.Tensor]:
+        """This rank's slice of each bucket of weights (its `.grad` the slice of the gradients)."""
+        return self.shards
+
+    def check_views(self) -> None:
+        if any(p.grad is not view for p, view in self.views) or any(b["shard"].grad is not b["grad"] for b in self.bucket_list):
+            raise RuntimeError("a gradient was replaced after distributed.sync=sharded made it a view of its flat "
+                               "buffer (optimizer.zero_grad() sets it to None): zero it with the ranks' zero()")
+        if any(p.data_ptr() != address for p, address in self.addresses):
+            raise RuntimeError("a parameter's storage was replaced after distributed.sync=sharded made it a view of its "
+                               "flat buffer (an assignment to `.data`): its updates would not reach the other ranks")
+
+    def average(self) -> None:
+        """After backward: every bucket's reduce-scatter started (one whose parameters backward did
+        not reach, now), and the step's stream waits for all of them."""
+        if not self.checked:  # the first step (eager: a graph is captured later)
+            self.check_views()
+            self.checked = True
+            self.waited_at_start = sorted(self.unwaited)  # their modules' forward never ran: from now, at the start
+            self._wait(self.waited_at_start)
+        stream = torch.cuda.current_stream()
+        for b in self.bucket_list:
+            if b["pending"] != -1:
+                self._reduce(b)
+            stream.wait_event(b["done"])
+
+    def share(self) -> None:
+        """After the optimizer's step: nothing yet (the next step's `zero` gathers the update)."""
+
+    def settle(self) -> None:
+        """After the last step: every peer's last update copied here, as the step's stream goes on."""
+        self._gather()
+        self._wait(list(range(len(self.bucket_list))))
+
+    def buckets(self) -> List[int]:
+        """The bytes each step exchanges, per dtype (as `FlatGradients.buckets`)."""
+        return [f.numel() * f.element_size() for f in self.flats]
+
+
 class DistributedModel(DistributedDataParallel):
     """A DDP-wrapped model with the `loss(x, y)` the step calls."""
 
@@ -430,6 +649,8 @@ class Ranks:
         self.shard = Shard(self.rank, self.world_size)
         self.ddp = {"bucket_cap_mb": cfg.bucket_cap_mb, "gradient_as_bucket_view": cfg.gradient_as_bucket_view}
         self.sync = cfg.sync
+        self.exchange_with = cfg.exchange  # distributed.exchange: nccl, or copy (sharded's slices by the copy engines)
+        self.timeout_s = cfg.timeout_s
         self.grads: Optional[FlatGradients] = None  # distributed.sync=allreduce or sharded: what the step zeroes and averages
         self.backend = "none"
         self.device_: Optional[torch.device] = None
@@ -483,6 +704,16 @@ class Ranks:
         if self.sync in FLAT_SYNCS and cfg.engine.loop != "feedbench":
             raise ConfigError(f"distributed.sync={self.sync} is the feedbench loop's (engine.loop={cfg.engine.loop} averages "
                               f"the gradients its own way): set distributed.sync=ddp, or engine.loop=feedbench")
+        if self.exchange_with == "copy":
+            if self.sync != "sharded":
+                raise ConfigError(f"distributed.exchange=copy moves the slices of distributed.sync=sharded (got "
+                                  f"distributed.sync={self.sync}): set distributed.sync=sharded, or distributed.exchange=nccl")
+            if self.device_ is None or self.device_.type != "cuda":
+                raise ConfigError("distributed.exchange=copy maps each GPU's buffers into the other ranks' (CUDA peer "
+                                  "access): set engine.device=cuda, or distributed.exchange=nccl")
+            if self.local_world_size != self.world_size:
+                raise ConfigError(f"distributed.exchange=copy needs every rank on one host (got {self.world_size} ranks, "
+                                  f"{self.local_world_size} on this host): set distributed.exchange=nccl")
         if self.sync == "sharded" and cfg.engine.precision == "fp16":
             # The gradient scaler looks for an overflow in the gradients its optimizer holds: here
             # one rank's slice, so the ranks would disagree on skipping a step and on the scale.
@@ -554,6 +785,10 @@ class Ranks:
             return model
         if self.sync == "allreduce":
             self.grads = FlatGradients(model, self.world_size)
+            return model
+        if self.sync == "sharded" and self.exchange_with == "copy":
+            self.grads = PeerCopyShards(model, self.world_size, self.rank, dist.group.WORLD, self.ddp["bucket_cap_mb"],
+                                        self.timeout_s)
             return model
         if self.sync == "sharded":
             self.grads = ShardedGradients(model, self.world_size, self.rank)
@@ -658,6 +893,7 @@ class Ranks:
         if not self.enabled or not (isinstance(model, DistributedModel) or self.grads is not None):
             return {}
         if self.grads is not None:
+            self.grads.settle()  # the last update on every rank
             self.grads.check_views()  # still the flat buffer's: else each rank trained on its own gradients
         # One list of buckets on every rank, the most split (a rank that joined with no batch
         # never rebuilt its own): ranks all-reducing different sizes would wait for each other

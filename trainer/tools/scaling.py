@@ -6,7 +6,8 @@ an experiment and lines up every job (strategy, model, step) across them:
 
 - *step*: how the job's step ran, eager or as a CUDA graph, and how its ranks averaged the
   gradients (`distributed.sync`: ddp; allreduce, one all-reduce of a flat buffer; sharded, a
-  reduce-scatter, each rank updating its slice of the weights, and an all-gather). One GPU
+  reduce-scatter, each rank updating its slice of the weights, and an all-gather; sharded by
+  copy, the same slices moved by the copy engines, `distributed.exchange=copy`). One GPU
   exchanges nothing: a job without a one-GPU run of its own is compared with the one-GPU run of
   the same strategy, model and step under another sync;
 
@@ -116,10 +117,14 @@ def scaling_rows(client: MlflowClient, sweeps: Dict[int, Run], own: Dict[int, Ru
 
 
 def step_kind(r: Run) -> str:
-    """How a job's step ran and how its ranks averaged the gradients: `eager, ddp`, `graph, allreduce`
-    (`engine.cuda_graph`, `distributed.sync`; a run from before distributed.sync existed: ddp)."""
+    """How a job's step ran and how its ranks averaged the gradients: `eager, ddp`, `graph, allreduce`,
+    `graph, sharded by copy` (`engine.cuda_graph`, `distributed.sync`, `distributed.exchange`; a run
+    from before distributed.sync existed: ddp)."""
     graphed = r.data.tags.get("cuda_graph", r.data.params.get("engine.cuda_graph", "false")).lower() == "true"
-    return f"{'graph' if graphed else 'eager'}, {r.data.params.get('distributed.sync', 'ddp')}"
+    sync = r.data.params.get("distributed.sync", "ddp")
+    if sync == "sharded" and r.data.params.get("distributed.exchange", "nccl") == "copy":
+        sync = "sharded by copy"
+    return f"{'graph' if graphed else 'eager'}, {sync}"
 
 
 def _cell(column: str, value) -> str:
