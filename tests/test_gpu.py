@@ -456,13 +456,15 @@ def test_two_gpus_sharded_by_copy_engines_trains_as_nccls_sharded_eager_and_grap
 
 
 @two_gpus
-def test_a_failing_rank_ends_an_nccl_run_failed(tmp_path, tracking_uri):
-    """Rank 1's DataLoader worker is killed while rank 0 waits in NCCL's all-reduce: the run ends
-    FAILED with rank 1's error, and every process exits well before torchrun's SIGKILL."""
+@pytest.mark.parametrize("sync", [[], ["distributed.sync=sharded", "distributed.exchange=copy"]], ids=["ddp", "sharded-copy"])
+def test_a_failing_rank_ends_an_nccl_run_failed(sync, tmp_path, tracking_uri):
+    """Rank 1's DataLoader worker is killed while rank 0 waits for it (in NCCL's all-reduce, or in
+    the copy exchange's barrier kernel): the run ends FAILED with rank 1's error, and every process
+    exits well before torchrun's SIGKILL."""
     from clirun import steps_csv, wait_for_running
     proc = _torchrun(tmp_path, tracking_uri, "engine.device=cuda", "model=mlp", "model.busy_ms=5",
                      "dataset.num_samples=200000", "dataset.shape=[8,8]", "loader.batch_size=8", "engine.epochs=1",
-                     "engine.progress=false", "loader.num_workers=1", start_new_session=True)
+                     "engine.progress=false", "loader.num_workers=1", *sync, start_new_session=True)
     try:
         (r,) = wait_for_running(tracking_uri, proc, settle=10)
         rank1 = [int(c) for t in Path(f"/proc/{proc.pid}/task").iterdir() for c in (t / "children").read_text().split()
