@@ -1002,3 +1002,26 @@ def test_the_hand_written_floor_reads_the_device_time_of_each_kernel_and_of_the_
     assert got["kernels_ms_per_step"] == {"gemm": 0.1, "ncclDevKernel_AllReduce_Sum_f32": 0.1}
     assert got["gpu_busy_ms_per_step"] == 0.175  # (250 + 100) µs over 2 steps
     assert got["nccl_kernel_ms_per_step"] == 0.1 and got["kernel_count_per_step"] == 1.5
+
+
+def test_the_copy_exchange_starts_its_buckets_in_one_order_on_every_rank(monkeypatch):
+    """The ranks meet at each bucket's barrier in the order they start the buckets: a bucket
+    whose gradients are complete waits for the earlier ones, and the ones backward never reached
+    on this rank start after backward, still in order (the barriers and copies themselves need
+    GPUs: tests/test_gpu.py)."""
+    shards = distributed.PeerCopyShards.__new__(distributed.PeerCopyShards)
+    shards.bucket_list = [{"params": [0] * n, "pending": n} for n in (2, 1, 1)]
+    shards.next_bucket, started = 0, []
+    shards._reduce = lambda b: started.append(shards.bucket_list.index(b))
+    shards._added(shards.bucket_list[1])  # the second bucket complete first: it waits for the first
+    assert started == []
+    shards._added(shards.bucket_list[0])
+    shards._added(shards.bucket_list[0])
+    assert started == [0, 1]
+    shards.checked, shards.unwaited = True, set()
+    waited = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"wait_event": lambda _, e: waited.append(e)})())
+    for n, b in enumerate(shards.bucket_list):
+        b["done"] = f"done {n}"
+    shards.average()  # the third bucket, which backward never reached, now
+    assert started == [0, 1, 2] and waited == ["done 0", "done 1", "done 2"]

@@ -412,7 +412,8 @@ class PeerCopyShards:
     holds `bucket_cap_mb`), each cut in N aligned slices, one a rank. A side stream does all the
     exchanging, its steps met by the ranks at device-side barriers (kernels, which a CUDA graph
     holds):
-    - once backward has added a bucket's last gradient (a hook), the side stream meets the other
+    - once backward has added a bucket's last gradient (a hook) and every earlier bucket has
+      started (the ranks meet at the buckets in one order), the side stream meets the other
       ranks, copies this rank's slice of that bucket from every peer and averages it into its
       own, while backward goes on with the layers before;
     - after backward the optimizer updates this rank's slices;
@@ -508,6 +509,7 @@ class PeerCopyShards:
         self.shards = [b["shard"] for b in self.bucket_list]
         self.checked = False
         self.updated_event, self.met = torch.cuda.Event(), torch.cuda.Event()
+        self.next_bucket = 0  # the first bucket not started yet this step
         # Each module that holds parameters waits, before its forward, for the buckets holding them
         # (a shared parameter: every module holding it). A bucket none of whose modules ran their
         # forward in the first step (parameters read by their owner's parent, or outside `forward`)
@@ -525,11 +527,19 @@ class PeerCopyShards:
     def _added(self, b: dict) -> None:
         b["pending"] -= 1
         if b["pending"] == 0:
-            self._reduce(b)
+            self._start_ready()
+
+    def _start_ready(self) -> None:
+        """Start the buckets whose gradients are complete, in bucket order, never one before an
+        earlier one: the ranks meet at each bucket's barrier in the order they start them, so a
+        rank whose backward finished its buckets in another order (a parameter unused on one rank
+        only) would otherwise read a peer's bucket at another bucket's meeting, before it is ready."""
+        while self.next_bucket < len(self.bucket_list) and self.bucket_list[self.next_bucket]["pending"] == 0:
+            self._reduce(self.bucket_list[self.next_bucket])
+            self.next_bucket += 1
 
     def _reduce(self, b: dict) -> None:
         """This rank's slice of bucket `b`, averaged over the ranks, on the side stream."""
-        b["pending"] = -1  # started
         b["ready"].record()  # on the stream backward runs on (the graph's, while capturing)
         self.side.wait_event(b["ready"])
         with torch.cuda.stream(self.side):
@@ -572,6 +582,7 @@ class PeerCopyShards:
             stream.wait_event(self.bucket_list[n]["gathered"])
         for b in self.bucket_list:
             b["pending"] = len(b["params"])
+        self.next_bucket = 0
 
     def updated(self) -> List[torch.Tensor]:
         """This rank's slice of each bucket of weights (its `.grad` the slice of the gradients)."""
@@ -593,10 +604,11 @@ class PeerCopyShards:
             self.checked = True
             self.waited_at_start = sorted(self.unwaited)  # their modules' forward never ran: from now, at the start
             self._wait(self.waited_at_start)
+        for b in self.bucket_list[self.next_bucket:]:
+            b["pending"] = 0  # not reached by backward on this rank: started now, in order
+        self._start_ready()
         stream = torch.cuda.current_stream()
         for b in self.bucket_list:
-            if b["pending"] != -1:
-                self._reduce(b)
             stream.wait_event(b["done"])
 
     def share(self) -> None:
