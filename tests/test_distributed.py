@@ -353,7 +353,8 @@ def _ranks(size: int, sync: str, exchange: str = "nccl", device: str = "cpu", on
 
 def test_the_copy_exchange_moves_sharded_slices_between_gpus_of_one_host(tiny_cfg):
     """distributed.exchange=copy maps the GPUs' buffers across the ranks: it is refused in one line
-    for another sync, on the CPU and across hosts; a world of one ignores it; a bad value is named."""
+    for another sync, on the CPU, with engine.compile and across hosts; a world of one ignores it;
+    a bad value is named."""
     with pytest.raises(ConfigError, match=r"^distributed.exchange=copy moves the slices of distributed.sync=sharded \(got "
                                           r"distributed.sync=allreduce\): set distributed.sync=sharded, or distributed.exchange=nccl$"):
         _ranks(2, "allreduce", "copy", "cuda:0").validate(tiny_cfg())
@@ -363,6 +364,9 @@ def test_the_copy_exchange_moves_sharded_slices_between_gpus_of_one_host(tiny_cf
     with pytest.raises(ConfigError, match=r"^distributed.exchange=copy needs every rank on one host \(got 4 ranks, 2 on this "
                                           r"host\): set distributed.exchange=nccl$"):
         _ranks(4, "sharded", "copy", "cuda:0", on_host=2).validate(tiny_cfg())
+    with pytest.raises(ConfigError, match=r"^distributed.exchange=copy cannot be used with engine.compile=default: "
+                                          r"set engine.compile=off, or distributed.exchange=nccl$"):
+        _ranks(2, "sharded", "copy", "cuda:0").validate(tiny_cfg("engine.compile=default"))
     _ranks(2, "sharded", "copy", "cuda:0").validate(tiny_cfg("engine.cuda_graph=true"))
     _ranks(1, "allreduce", "copy").validate(tiny_cfg())
     with pytest.raises(ConfigError, match=r"^distributed.exchange must be one of nccl, copy \(got 'nvlink'\): set distributed.exchange=nccl$"):
@@ -1007,21 +1011,56 @@ def test_the_hand_written_floor_reads_the_device_time_of_each_kernel_and_of_the_
 def test_the_copy_exchange_starts_its_buckets_in_one_order_on_every_rank(monkeypatch):
     """The ranks meet at each bucket's barrier in the order they start the buckets: a bucket
     whose gradients are complete waits for the earlier ones, and the ones backward never reached
-    on this rank start after backward, still in order (the barriers and copies themselves need
-    GPUs: tests/test_gpu.py)."""
+    on this rank start after backward, still in order; a gradient accumulated twice in one
+    backward is refused in one line (the barriers and copies themselves need GPUs:
+    tests/test_gpu.py)."""
+    recorded = []
+    event = lambda n: type("Event", (), {"record": lambda _: recorded.append(n)})()  # noqa: E731 (no CUDA here)
     shards = distributed.PeerCopyShards.__new__(distributed.PeerCopyShards)
-    shards.bucket_list = [{"params": [0] * n, "pending": n} for n in (2, 1, 1)]
+    params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(4)]
+    shards.bucket_list = [{"params": ps, "pending": len(ps), "seen": set(), "ready": event(n), "done": f"done {n}"}
+                          for n, ps in enumerate((params[:2], params[2:3], params[3:]))]
     shards.next_bucket, started = 0, []
     shards._reduce = lambda b: started.append(shards.bucket_list.index(b))
-    shards._added(shards.bucket_list[1])  # the second bucket complete first: it waits for the first
-    assert started == []
-    shards._added(shards.bucket_list[0])
-    shards._added(shards.bucket_list[0])
+    shards._added(params[2], shards.bucket_list[1])  # the second bucket complete first: it waits for the first
+    assert started == [] and recorded == [1]
+    shards._added(params[0], shards.bucket_list[0])
+    with pytest.raises(RuntimeError, match="accumulated twice in one backward .*: set distributed.exchange=nccl$"):
+        shards._added(params[0], shards.bucket_list[0])
+    shards._added(params[1], shards.bucket_list[0])
     assert started == [0, 1]
-    shards.checked, shards.unwaited = True, set()
-    waited = []
+    shards.checked, waited = True, []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"wait_event": lambda _, e: waited.append(e)})())
-    for n, b in enumerate(shards.bucket_list):
-        b["done"] = f"done {n}"
     shards.average()  # the third bucket, which backward never reached, now
-    assert started == [0, 1, 2] and waited == ["done 0", "done 1", "done 2"]
+    assert started == [0, 1, 2] and recorded == [1, 0, 2] and waited == ["done 0", "done 1", "done 2"]
+
+
+def test_a_module_whose_forward_never_runs_has_its_weights_waited_for_where_they_are_read():
+    """nn.MultiheadAttention reads its out_proj's weight without running out_proj: after a real
+    forward, the attention module waits for out_proj's bucket; a parameter the model holds itself,
+    read outside any forward, is waited for at the start of each step."""
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+            self.head = torch.nn.Linear(8, 1)
+            self.scale = torch.nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return self.head(self.attention(x, x, x)[0])
+
+    model = Model()
+    params = list(model.parameters())  # scale, attention's in_proj (weight, bias), out_proj (weight, bias), head's
+    bucket_of = {id(p): n for n, p in enumerate(params)}
+    out_proj = [bucket_of[id(p)] for p in model.attention.out_proj.parameters()]
+    own, _ = distributed.bucket_waits(model, bucket_of)
+    assert own[id(model.attention.out_proj)] == out_proj and own[id(model)] == [bucket_of[id(model.scale)]]
+    fired = set()
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda m, _: fired.add(id(m)))
+    model.forward(torch.zeros(1, 3, 8))  # as `loss` calls it: the model's own hook does not run
+    waits, at_start = distributed.bucket_waits(model, bucket_of, fired)
+    assert id(model.attention.out_proj) not in fired and id(model) not in fired
+    assert waits[id(model.attention)] == sorted([bucket_of[id(model.attention.in_proj_weight)],
+                                                 bucket_of[id(model.attention.in_proj_bias)], *out_proj])
+    assert at_start == [bucket_of[id(model.scale)]] and id(model) not in waits

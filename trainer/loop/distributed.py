@@ -401,6 +401,35 @@ class ShardedGradients(FlatGradients):
             all_gather_flat(weights, shard)
 
 
+def bucket_waits(model: nn.Module, bucket_of: Dict[int, int], fired: Optional[set] = None) -> Tuple[Dict[int, List[int]], List[int]]:
+    """Which module waits, before its forward, for which buckets of weights (`PeerCopyShards`): id(module)
+    -> bucket numbers, and the buckets waited for at the start of each step instead. `bucket_of`:
+    id(parameter) -> its bucket. Without `fired`, each module waits for the buckets of its own
+    parameters. With `fired` (the ids of the modules whose forward ran in a step), a module whose
+    forward did not run hands its buckets to the nearest enclosing module whose forward did (some
+    modules read parameters of modules that never run: nn.MultiheadAttention its out_proj's,
+    torchvision's Swin its qkv's and proj's); with none (parameters read in `loss` itself), they
+    are waited for at the start of each step."""
+    parents: Dict[int, Optional[nn.Module]] = {id(model): None}
+    waits: Dict[int, set] = {}
+    at_start: set = set()
+    for module in model.modules():
+        for child in module.children():
+            parents.setdefault(id(child), module)
+    for module in model.modules():
+        mine = {bucket_of[id(p)] for p in module._parameters.values() if p is not None and id(p) in bucket_of}
+        if not mine:
+            continue
+        waiter: Optional[nn.Module] = module
+        while fired is not None and waiter is not None and id(waiter) not in fired:
+            waiter = parents.get(id(waiter))
+        if waiter is None:
+            at_start |= mine
+        else:
+            waits.setdefault(id(waiter), set()).update(mine)
+    return {k: sorted(v) for k, v in waits.items()}, sorted(at_start)
+
+
 class PeerCopyShards:
     """`distributed.sync=sharded` with `distributed.exchange=copy`: the same slices, updates and
     results as `ShardedGradients`, the bytes moved by the GPUs' copy engines instead of NCCL's
@@ -430,10 +459,11 @@ class PeerCopyShards:
     meeting at that bucket and their next meeting at the start of a step, and this rank zeroes its
     gradients only after that meeting. A peer's updated slice is read after that meeting, and the
     peer changes it only in its next update, after the next step's bucket meetings, which this
-    rank reaches after its copies. A parameter read in the forward of a module that does not
-    hold it, before any module holding it has run its forward in that step, would read its
-    previous value (no model here does that).
-"""
+    rank reaches after its copies. A module whose forward never runs has its parameters waited
+    for by the nearest enclosing module whose forward does (`bucket_waits`); a parameter read in
+    the forward of a module that neither holds nor encloses it, before any that does has run its
+    forward in that step, would read its previous value (no model here does that). Between steps
+    the peers' slices are one update behind until the next step's start, or `settle()`."""
 
     sync = "sharded"
 
@@ -500,10 +530,10 @@ class PeerCopyShards:
                          "gather": [(weights[start + r * cut:start + (r + 1) * cut],
                                      peer_weights[r][start + r * cut:start + (r + 1) * cut]) for r in peers],
                          "ready": torch.cuda.Event(), "done": torch.cuda.Event(), "gathered": torch.cuda.Event(),
-                         "pending": len(bucket)}
+                         "pending": len(bucket), "seen": set()}
                     self.bucket_list.append(b)
                     for p in bucket:
-                        p.register_post_accumulate_grad_hook(lambda _, b=b: self._added(b))
+                        p.register_post_accumulate_grad_hook(lambda p, b=b: self._added(p, b))
             self.flats.append(grads)
         self.weights_handle = self.handles[1]
         self.shards = [b["shard"] for b in self.bucket_list]
@@ -511,22 +541,27 @@ class PeerCopyShards:
         self.updated_event, self.met = torch.cuda.Event(), torch.cuda.Event()
         self.next_bucket = 0  # the first bucket not started yet this step
         # Each module that holds parameters waits, before its forward, for the buckets holding them
-        # (a shared parameter: every module holding it). A bucket none of whose modules ran their
-        # forward in the first step (parameters read by their owner's parent, or outside `forward`)
-        # is waited for at the start of each step instead: no overlap, never a stale weight.
-        where = {id(p): n for n, b in enumerate(self.bucket_list) for p in b["params"]}
-        self.unwaited = set(range(len(self.bucket_list)))
+        # (a shared parameter: every module holding it); after the first step, where its forward
+        # did not run, its nearest enclosing module that ran waits instead (`bucket_waits`). Every
+        # module is hooked for that first step, to see whose forward runs.
+        self.model, self.bucket_of = model, {id(p): n for n, b in enumerate(self.bucket_list) for p in b["params"]}
+        self.waits, _ = bucket_waits(model, self.bucket_of)  # id(module) -> the buckets it waits for before its forward
+        self.fired: set = set()  # the modules whose forward ran in the first step
+        self.hooks = {id(m): m.register_forward_pre_hook(self._before_forward) for m in model.modules()}
         self.waited_at_start: List[int] = []
-        for module in model.modules():
-            mine = sorted({where[id(p)] for p in module._parameters.values() if p is not None and id(p) in where})
-            if mine:
-                module.register_forward_pre_hook(lambda _m, _args, mine=mine: self._wait(mine))
         # the forward pass needs the first layers first: gathered in the reverse of backward's order
         self.gather_order = list(reversed(self.bucket_list))
 
-    def _added(self, b: dict) -> None:
+    def _added(self, p: nn.Parameter, b: dict) -> None:
+        if id(p) in b["seen"]:
+            # DDP refuses it too ("marked ready twice"): the bucket would be read before its sum is whole
+            raise RuntimeError("a parameter's gradient was accumulated twice in one backward (a checkpointed block that "
+                               "also uses it outside?), and distributed.exchange=copy exchanges each bucket once its "
+                               "gradients are complete: set distributed.exchange=nccl")
+        b["seen"].add(id(p))
         b["pending"] -= 1
         if b["pending"] == 0:
+            b["ready"].record()  # on the stream that added its last gradient
             self._start_ready()
 
     def _start_ready(self) -> None:
@@ -539,8 +574,7 @@ class PeerCopyShards:
             self.next_bucket += 1
 
     def _reduce(self, b: dict) -> None:
-        """This rank's slice of bucket `b`, averaged over the ranks, on the side stream."""
-        b["ready"].record()  # on the stream backward runs on (the graph's, while capturing)
+        """This rank's slice of bucket `b`, averaged over the ranks, on the side stream (after `ready`)."""
         self.side.wait_event(b["ready"])
         with torch.cuda.stream(self.side):
             # channel 1: the buckets' barriers follow each other on this one stream; channel 0 is the weights'
@@ -563,11 +597,25 @@ class PeerCopyShards:
                     mine.copy_(theirs)  # a copy engine reads the peer's memory
                 b["gathered"].record()
 
+    def _before_forward(self, module: nn.Module, _args) -> None:
+        if not self.checked:
+            self.fired.add(id(module))
+        mine = self.waits.get(id(module))
+        if mine:
+            self._wait(mine)
+
+    def _plan_waits(self) -> None:
+        """After the first step's forward: who waits for which bucket from now on (`bucket_waits`);
+        hooks that wait for nothing go."""
+        self.waits, self.waited_at_start = bucket_waits(self.model, self.bucket_of, self.fired)
+        for module_id, hook in self.hooks.items():
+            if not self.waits.get(module_id):
+                hook.remove()
+
     def _wait(self, buckets: List[int]) -> None:
         stream = torch.cuda.current_stream()
         for n in buckets:
             stream.wait_event(self.bucket_list[n]["gathered"])
-            self.unwaited.discard(n)
 
     def zero(self) -> None:
         """At the start of a step: the peers' updated slices of the weights on their way (the
@@ -582,6 +630,7 @@ class PeerCopyShards:
             stream.wait_event(self.bucket_list[n]["gathered"])
         for b in self.bucket_list:
             b["pending"] = len(b["params"])
+            b["seen"].clear()
         self.next_bucket = 0
 
     def updated(self) -> List[torch.Tensor]:
@@ -602,10 +651,12 @@ class PeerCopyShards:
         if not self.checked:  # the first step (eager: a graph is captured later)
             self.check_views()
             self.checked = True
-            self.waited_at_start = sorted(self.unwaited)  # their modules' forward never ran: from now, at the start
+            self._plan_waits()
             self._wait(self.waited_at_start)
         for b in self.bucket_list[self.next_bucket:]:
-            b["pending"] = 0  # not reached by backward on this rank: started now, in order
+            if b["pending"] != 0:  # not reached by backward on this rank: started now, in order
+                b["pending"] = 0
+                b["ready"].record()
         self._start_ready()
         stream = torch.cuda.current_stream()
         for b in self.bucket_list:
@@ -723,6 +774,11 @@ class Ranks:
             if self.device_ is None or self.device_.type != "cuda":
                 raise ConfigError("distributed.exchange=copy maps each GPU's buffers into the other ranks' (CUDA peer "
                                   "access): set engine.device=cuda, or distributed.exchange=nccl")
+            if cfg.engine.compile != "off":
+                # its pre-forward and gradient hooks order the step against the exchange's stream; a
+                # compiled module's graph has not been checked to keep them
+                raise ConfigError(f"distributed.exchange=copy cannot be used with engine.compile={cfg.engine.compile}: "
+                                  "set engine.compile=off, or distributed.exchange=nccl")
             if self.local_world_size != self.world_size:
                 raise ConfigError(f"distributed.exchange=copy needs every rank on one host (got {self.world_size} ranks, "
                                   f"{self.local_world_size} on this host): set distributed.exchange=nccl")
