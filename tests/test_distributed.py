@@ -1033,6 +1033,14 @@ def test_the_copy_exchange_starts_its_buckets_in_one_order_on_every_rank(monkeyp
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: type("Stream", (), {"wait_event": lambda _, e: waited.append(e)})())
     shards.average()  # the third bucket, which backward never reached, now
     assert started == [0, 1, 2] and recorded == [1, 0, 2] and waited == ["done 0", "done 1", "done 2"]
+    # after the run (`settle`), the model is the user's again: a backward starts no bucket
+    model = torch.nn.Linear(1, 1)
+    shards.hooks = {id(model): model.register_forward_pre_hook(shards._before_forward)}
+    added = []
+    shards.grad_hooks = [p.register_post_accumulate_grad_hook(added.append) for p in model.parameters()]
+    shards.release()
+    model(torch.ones(1, 1)).sum().backward()
+    assert added == [] and not model._forward_pre_hooks and model.weight.grad is not None
 
 
 def test_a_module_whose_forward_never_runs_has_its_weights_waited_for_where_they_are_read():

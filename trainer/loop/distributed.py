@@ -484,6 +484,7 @@ class PeerCopyShards:
         self.flats: List[torch.Tensor] = []  # gradients, one per dtype (what `zero` clears)
         self.bucket_list: List[dict] = []
         self.handles = []
+        self.grad_hooks = []  # removed by `settle()`, as the forward pre-hooks
         cap = bucket_cap_mb * 2**20
         for dtype, group_params in by_dtype.items():
             size = torch.empty((), dtype=dtype).element_size()
@@ -532,8 +533,8 @@ class PeerCopyShards:
                          "ready": torch.cuda.Event(), "done": torch.cuda.Event(), "gathered": torch.cuda.Event(),
                          "pending": len(bucket), "seen": set()}
                     self.bucket_list.append(b)
-                    for p in bucket:
-                        p.register_post_accumulate_grad_hook(lambda p, b=b: self._added(p, b))
+                    self.grad_hooks += [p.register_post_accumulate_grad_hook(lambda p, b=b: self._added(p, b))
+                                        for p in bucket]
             self.flats.append(grads)
         self.weights_handle = self.handles[1]
         self.shards = [b["shard"] for b in self.bucket_list]
@@ -666,9 +667,18 @@ class PeerCopyShards:
         """After the optimizer's step: nothing yet (the next step's `zero` gathers the update)."""
 
     def settle(self) -> None:
-        """After the last step: every peer's last update copied here, as the step's stream goes on."""
+        """After the last step: every peer's last update copied here, as the step's stream goes on,
+        and the model the user's again (`release`)."""
         self._gather()
         self._wait(list(range(len(self.bucket_list))))
+        self.release()
+
+    def release(self) -> None:
+        """Our hooks off the model: a backward after the run (the user's own fine-tuning, an
+        evaluation with gradients) would otherwise start a bucket's barrier that no peer meets."""
+        for hook in [*self.hooks.values(), *self.grad_hooks]:
+            hook.remove()
+        self.hooks, self.grad_hooks = {}, []
 
     def buckets(self) -> List[int]:
         """The bytes each step exchanges, per dtype (as `FlatGradients.buckets`)."""
