@@ -1072,3 +1072,32 @@ def test_a_module_whose_forward_never_runs_has_its_weights_waited_for_where_they
     assert waits[id(model.attention)] == sorted([bucket_of[id(model.attention.in_proj_weight)],
                                                  bucket_of[id(model.attention.in_proj_bias)], *out_proj])
     assert at_start == [bucket_of[id(model.scale)]] and id(model) not in waits
+
+
+def test_the_peer_watch_releases_the_copy_exchanges_barriers_and_signals_its_own_process():
+    """Another rank failed: the watch aborts the process group, and with distributed.exchange=copy
+    (a barrier kernel no abort reaches) also releases the barriers for the group's timeout and
+    sends its own process SIGTERM, whose handler raises in the main thread (the release itself,
+    on GPUs: tests/test_gpu.py, the failing-rank test)."""
+    import signal
+    import threading
+
+    got, released = threading.Event(), []
+    ranks = type("Ranks", (), {"timeout_s": 7.0, "stopped_elsewhere": lambda _: "failed|1|boom",
+                               "grads": type("Shards", (), {"release_barriers": lambda _, s: released.append(s)})()})()
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.set())
+    try:
+        watch = distributed._PeerWatch(ranks, every_s=0.01)
+        watch._thread.join(10)
+        assert got.wait(5)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert released == [7.0] and not watch._thread.is_alive()
+    ranks.grads = None  # DDP, or NCCL's exchanges: the abort alone, no signal
+    got.clear()
+    previous = signal.signal(signal.SIGTERM, lambda *_: got.set())
+    try:
+        distributed._PeerWatch(ranks, every_s=0.01)._thread.join(10)
+        assert not got.wait(0.2)
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -673,6 +673,36 @@ class PeerCopyShards:
         self._wait(list(range(len(self.bucket_list))))
         self.release()
 
+    def release_barriers(self, for_s: float) -> None:
+        """Once another rank has failed (the peer watch's thread): every barrier this rank waits
+        in, or will reach, passes. A barrier kernel spins on the GPU until each peer has marked
+        this rank's signal pad, and neither aborting the process group nor a signal reaches it:
+        the step's queued work would stay stuck behind it, and the main thread with it (in a
+        launch, or a read of the GPU), until the barrier's own timeout traps the kernel. So the
+        peers' marks are written here, and this rank's own marks on their pads cleared, again and
+        again for `for_s` seconds, by the GPU's front end (a stream write, no kernel), on a stream
+        of its own. The copies after each barrier then read whatever the peer left: the run is
+        ending FAILED, and nothing from those steps is kept as a result."""
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        device = self.side.device
+        peers = [r for r in range(self.world_size) if r != self.rank]
+        with torch.cuda.device(device):
+            stream = torch.cuda.Stream(device)  # the step's streams are stuck behind the barriers
+            pads = [(h.get_signal_pad(self.rank, dtype=torch.uint32), {p: h.get_signal_pad(p, dtype=torch.uint32) for p in peers})
+                    for h in self.handles]
+            n = self.world_size
+            deadline = time.monotonic() + for_s
+            with torch.cuda.stream(stream):
+                while time.monotonic() < deadline:
+                    for mine, theirs in pads:
+                        for channel in (0, 1):  # the weights' barriers, and the buckets'
+                            for p in peers:
+                                _SymmetricMemory.stream_write_value32(mine, channel * n + p, 1)  # p arrived
+                                _SymmetricMemory.stream_write_value32(theirs[p], channel * n + self.rank, 0)  # room for ours
+                    stream.synchronize()
+                    time.sleep(0.002)
+
     def release(self) -> None:
         """Our hooks off the model: a backward after the run (the user's own fine-tuning, an
         evaluation with gradients) would otherwise start a bucket's barrier that no peer meets."""
@@ -1051,7 +1081,11 @@ class _PeerWatch:
     """NCCL only: a rank blocked in a collective whose peer has died waits in a GPU kernel, where
     neither a Python signal handler nor torchrun's SIGTERM reaches it before its SIGKILL. This
     thread polls the store and, when another rank has failed, aborts the process group, which
-    ends the wait with an error: the run then closes as FAILED with what it measured."""
+    ends the wait with an error: the run then closes as FAILED with what it measured. With
+    distributed.exchange=copy the wait is in the exchange's barrier kernels instead: it releases
+    them (`PeerCopyShards.release_barriers`) and signals its own process (SIGTERM), whose handler
+    raises in the main thread once that is free; the run closes FAILED with the other rank's
+    error all the same."""
 
     def __init__(self, ranks: Ranks, every_s: float = 0.5):
         self.ranks, self.every_s = ranks, every_s
@@ -1068,6 +1102,16 @@ class _PeerWatch:
                         abort()
                     except Exception as e:  # the collective will still time out
                         print(f"warning: could not abort the process group: {e}", file=sys.stderr)
+                release = getattr(self.ranks.grads, "release_barriers", None)
+                if release is not None:  # distributed.exchange=copy: no NCCL call to fail in the loop
+                    # The main thread learns of it as from torchrun's SIGTERM, which it may not
+                    # send (another launcher), or only once the failed rank has exited: the
+                    # handler raises where the run can still save what it measured.
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    try:
+                        release(self.ranks.timeout_s)
+                    except Exception as e:  # the barrier's own timeout will end the wait
+                        print(f"warning: could not release the copy exchange's barriers: {e}", file=sys.stderr)
                 return
 
     def stop(self) -> None:
