@@ -1038,7 +1038,7 @@ def test_the_copy_exchange_starts_its_buckets_in_one_order_on_every_rank(monkeyp
     shards.hooks = {id(model): model.register_forward_pre_hook(shards._before_forward)}
     added = []
     shards.grad_hooks = [p.register_post_accumulate_grad_hook(added.append) for p in model.parameters()]
-    shards.release()
+    shards.unhook()
     model(torch.ones(1, 1)).sum().backward()
     assert added == [] and not model._forward_pre_hooks and model.weight.grad is not None
 

@@ -485,6 +485,7 @@ class PeerCopyShards:
         self.bucket_list: List[dict] = []
         self.handles = []
         self.grad_hooks = []  # removed by `settle()`, as the forward pre-hooks
+        self.releasing: Optional[threading.Thread] = None  # `release_barriers`, once a rank has failed
         cap = bucket_cap_mb * 2**20
         for dtype, group_params in by_dtype.items():
             size = torch.empty((), dtype=dtype).element_size()
@@ -668,42 +669,52 @@ class PeerCopyShards:
 
     def settle(self) -> None:
         """After the last step: every peer's last update copied here, as the step's stream goes on,
-        and the model the user's again (`release`)."""
+        and the model the user's again (`unhook`)."""
         self._gather()
         self._wait(list(range(len(self.bucket_list))))
-        self.release()
+        self.unhook()
 
     def release_barriers(self, for_s: float) -> None:
-        """Once another rank has failed (the peer watch's thread): every barrier this rank waits
-        in, or will reach, passes. A barrier kernel spins on the GPU until each peer has marked
+        """Once a rank has failed (this one, or another: then from the peer watch's thread), in a
+        thread of its own (once): every barrier this rank waits in, or will reach, passes."""
+        if self.releasing is None:
+            self.releasing = threading.Thread(target=self._release, args=(for_s,), daemon=True,
+                                              name="feedbench-copy-release")
+            self.releasing.start()
+
+    def _release(self, for_s: float) -> None:
+        """`release_barriers`' loop. A barrier kernel spins on the GPU until each peer has marked
         this rank's signal pad, and neither aborting the process group nor a signal reaches it:
-        the step's queued work would stay stuck behind it, and the main thread with it (in a
-        launch, or a read of the GPU), until the barrier's own timeout traps the kernel. So the
+        the queued work would stay stuck behind it, and the main thread with it (in a launch, or
+        a read of the GPU; the failed rank's too, reading its timings, when its peers stopped
+        short of its last barrier), until the barrier's own timeout traps the kernel. So the
         peers' marks are written here, and this rank's own marks on their pads cleared, again and
         again for `for_s` seconds, by the GPU's front end (a stream write, no kernel), on a stream
         of its own. The copies after each barrier then read whatever the peer left: the run is
         ending FAILED, and nothing from those steps is kept as a result."""
         from torch._C._distributed_c10d import _SymmetricMemory
 
-        device = self.side.device
         peers = [r for r in range(self.world_size) if r != self.rank]
-        with torch.cuda.device(device):
-            stream = torch.cuda.Stream(device)  # the step's streams are stuck behind the barriers
-            pads = [(h.get_signal_pad(self.rank, dtype=torch.uint32), {p: h.get_signal_pad(p, dtype=torch.uint32) for p in peers})
-                    for h in self.handles]
-            n = self.world_size
-            deadline = time.monotonic() + for_s
-            with torch.cuda.stream(stream):
-                while time.monotonic() < deadline:
-                    for mine, theirs in pads:
-                        for channel in (0, 1):  # the weights' barriers, and the buckets'
-                            for p in peers:
-                                _SymmetricMemory.stream_write_value32(mine, channel * n + p, 1)  # p arrived
-                                _SymmetricMemory.stream_write_value32(theirs[p], channel * n + self.rank, 0)  # room for ours
-                    stream.synchronize()
-                    time.sleep(0.002)
+        n, deadline = self.world_size, time.monotonic() + for_s
+        try:
+            with torch.cuda.device(self.side.device):
+                stream = torch.cuda.Stream()  # the step's streams are stuck behind the barriers
+                pads = [(h.get_signal_pad(self.rank, dtype=torch.uint32),
+                         {p: h.get_signal_pad(p, dtype=torch.uint32) for p in peers}) for h in self.handles]
+                with torch.cuda.stream(stream):
+                    while time.monotonic() < deadline:
+                        for mine, theirs in pads:
+                            for channel in (0, 1):  # the weights' barriers, and the buckets'
+                                for p in peers:
+                                    _SymmetricMemory.stream_write_value32(mine, channel * n + p, 1)  # p arrived
+                                    _SymmetricMemory.stream_write_value32(theirs[p], channel * n + self.rank, 0)  # room for ours
+                        stream.synchronize()
+                        time.sleep(0.002)
+        except Exception as e:  # the barriers' own timeout (distributed.timeout_s) ends the wait instead
+            print(f"warning: could not release the copy exchange's barriers: {' '.join(str(e).split())[:200]}",
+                  file=sys.stderr)
 
-    def release(self) -> None:
+    def unhook(self) -> None:
         """Our hooks off the model: a backward after the run (the user's own fine-tuning, an
         evaluation with gradients) would otherwise start a bucket's barrier that no peer meets."""
         for hook in [*self.hooks.values(), *self.grad_hooks]:
@@ -931,6 +942,9 @@ class Ranks:
         except BaseException as e:
             if getattr(e, "agreed", False) or isinstance(e, (SystemExit, GeneratorExit)):
                 raise
+            release = getattr(self.grads, "release_barriers", None)
+            if release is not None:  # distributed.exchange=copy: the peers may stop short of this rank's barriers
+                release(self.timeout_s)
             settled = self._settle(e)
             if settled is e:
                 raise
@@ -1107,11 +1121,8 @@ class _PeerWatch:
                     # The main thread learns of it as from torchrun's SIGTERM, which it may not
                     # send (another launcher), or only once the failed rank has exited: the
                     # handler raises where the run can still save what it measured.
+                    release(self.ranks.timeout_s)
                     os.kill(os.getpid(), signal.SIGTERM)
-                    try:
-                        release(self.ranks.timeout_s)
-                    except Exception as e:  # the barrier's own timeout will end the wait
-                        print(f"warning: could not release the copy exchange's barriers: {e}", file=sys.stderr)
                 return
 
     def stop(self) -> None:
