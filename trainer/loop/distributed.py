@@ -58,6 +58,7 @@ GROUP_TIMEOUT_S = 600  # backstop of the default group (DDP's all-reduce); fault
 FLAT_SYNCS = ("allreduce", "sharded")  # distributed.sync values whose exchange a CUDA graph can hold
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",
             "median_step_ms", "timed_wall_s", "host_rss_mb", "host_pss_mb", "run_host_pss_mb")
+PACE_STEPS = 4  # distributed.exchange=copy: how many steps the host may queue ahead of the GPU (`PeerCopyShards.pace`)
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
 ARRIVED_KEY = "feedbench/finishing"  # how many ranks have reached `finish`
@@ -486,6 +487,8 @@ class PeerCopyShards:
         self.handles = []
         self.grad_hooks = []  # removed by `settle()`, as the forward pre-hooks
         self.releasing: Optional[threading.Thread] = None  # `release_barriers`, once a rank has failed
+        self.paces = [torch.cuda.Event() for _ in range(PACE_STEPS)]  # `pace`: one a step, in turn
+        self.pace_at = 0
         cap = bucket_cap_mb * 2**20
         for dtype, group_params in by_dtype.items():
             size = torch.empty((), dtype=dtype).element_size()
@@ -619,10 +622,25 @@ class PeerCopyShards:
         for n in buckets:
             stream.wait_event(self.bucket_list[n]["gathered"])
 
+    def pace(self) -> None:
+        """Once a step (from `zero` when eager; after each replay of a graphed step): the host
+        waits until the GPU has finished the step `PACE_STEPS` back. A step of this exchange waits
+        on the GPU for the peers (its barriers): were a peer to die, the host would run on until
+        the GPU's queue is full and then block in a kernel launch, holding Python's lock, so that
+        neither the peer watch (`release_barriers`) nor a signal handler could run. Waiting on an
+        event lets go of the lock. Only a step bound by the host catches up with it, and then
+        never waits: the GPU is behind it by less than a step."""
+        event = self.paces[self.pace_at]
+        event.synchronize()  # returns at once until recorded; releases the GIL while it waits
+        event.record()
+        self.pace_at = (self.pace_at + 1) % PACE_STEPS
+
     def zero(self) -> None:
         """At the start of a step: the peers' updated slices of the weights on their way (the
         side stream), and the gradients zeroed once every peer has met here, having finished
         reading this rank's gradients of the last step."""
+        if not torch.cuda.is_current_stream_capturing():
+            self.pace()  # a graphed step paces after each replay instead
         self._gather()
         stream = torch.cuda.current_stream()
         stream.wait_event(self.met)

@@ -129,6 +129,7 @@ class GraphedStep:
         self.graph = None
         self.graph_replays = 0
         self.eager_steps = 0
+        self.pace = getattr(grads, "pace", None)  # distributed.exchange=copy: the host kept a few steps ahead
 
     def _fed(self, x) -> bool:
         """Whether `x` is the feed's batch, which the graph reads where it is and fetches itself."""
@@ -206,6 +207,8 @@ class GraphedStep:
             self._slot.zero_()  # back to the ring's start: one tiny kernel every LOSS_SLOTS steps
         self.graph.replay()
         self.graph_replays += 1
+        if self.pace is not None:
+            self.pace()
         if fed:
             self.feed.replayed()
         return self._loss_views[slot]
