@@ -1101,3 +1101,33 @@ def test_the_peer_watch_releases_the_copy_exchanges_barriers_and_signals_its_own
         assert not got.wait(0.2)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_copy_exchange_keeps_the_host_a_few_steps_ahead_of_the_gpu(monkeypatch):
+    """`pace` (once a step): the host waits, sleeping (Python's lock free for the peer watch), for
+    the event it recorded `PACE_STEPS` steps before; an event never recorded does not hold it."""
+    log = []
+
+    class Event:
+        def __init__(self, n):
+            self.n, self.pending = n, 0
+
+        def query(self):
+            log.append(("query", self.n))
+            self.pending -= 1
+            return self.pending < 0
+
+        def record(self):
+            log.append(("record", self.n))
+            self.pending = 2  # the GPU reaches it after two more looks
+
+    shards = distributed.PeerCopyShards.__new__(distributed.PeerCopyShards)
+    shards.paces, shards.pace_at = [Event(n) for n in range(distributed.PACE_STEPS)], 0
+    monkeypatch.setattr(distributed.time, "sleep", lambda s: log.append(("sleep", s)))
+    for _ in range(distributed.PACE_STEPS):
+        shards.pace()
+    assert [e for e in log if e[0] != "query"] == [("record", n) for n in range(distributed.PACE_STEPS)]
+    log.clear()
+    shards.pace()  # the event of PACE_STEPS steps back: waited for, then recorded again
+    assert log == [("query", 0), ("sleep", distributed.PACE_POLL_S), ("query", 0), ("sleep", distributed.PACE_POLL_S),
+                   ("query", 0), ("record", 0)]

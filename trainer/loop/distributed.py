@@ -59,6 +59,7 @@ FLAT_SYNCS = ("allreduce", "sharded")  # distributed.sync values whose exchange 
 PER_RANK = ("throughput_samples_per_s", "data_wait_fraction", "h2d_GBps", "compute_stream_span_fraction",
             "median_step_ms", "timed_wall_s", "host_rss_mb", "host_pss_mb", "run_host_pss_mb")
 PACE_STEPS = 4  # distributed.exchange=copy: how many steps the host may queue ahead of the GPU (`PeerCopyShards.pace`)
+PACE_POLL_S = 1e-4  # how often it looks while it waits: the GPU still has the steps between to run
 STOPPED_KEY = "feedbench/stopped"  # set once any rank failed or was interrupted
 DONE_KEY = "feedbench/done"  # set by rank 0 when it has finished everything
 ARRIVED_KEY = "feedbench/finishing"  # how many ranks have reached `finish`
@@ -627,11 +628,13 @@ class PeerCopyShards:
         waits until the GPU has finished the step `PACE_STEPS` back. A step of this exchange waits
         on the GPU for the peers (its barriers): were a peer to die, the host would run on until
         the GPU's queue is full and then block in a kernel launch, holding Python's lock, so that
-        neither the peer watch (`release_barriers`) nor a signal handler could run. Waiting on an
-        event lets go of the lock. Only a step bound by the host catches up with it, and then
-        never waits: the GPU is behind it by less than a step."""
+        neither the peer watch (`release_barriers`) nor a signal handler could run. Polling an
+        event with short sleeps lets go of the lock, and of the CPU (a blocking wait on it would
+        spin a core, which the run's host CPU time would count). A step bound by the host never
+        waits here: the GPU is behind it by less than a step."""
         event = self.paces[self.pace_at]
-        event.synchronize()  # returns at once until recorded; releases the GIL while it waits
+        while not event.query():  # True until first recorded
+            time.sleep(PACE_POLL_S)
         event.record()
         self.pace_at = (self.pace_at + 1) % PACE_STEPS
 
