@@ -4,7 +4,7 @@ feeds them, and where a step's time goes (CUDA only; run under torchrun).
 
     torchrun --standalone --nproc_per_node=2 benchmarks/ddp_floor.py [--sync ddp|allreduce|sharded|zero|none|ddp-nocomm]
         [--graph] [--steps 20] [--blocks 15] [--bind] [--threads N] [--bucket-mb 25]
-        [--impl default|fused] [--turns R] [--profile]
+        [--impl default|fused] [--turns R] [--profile] [--no-pace]
 
 Each rank holds 1000/N samples of 256x256 float32 on its GPU (the preset's dataset split over the
 ranks; here random, the same on every rank), shuffles them every epoch on the device, and runs
@@ -24,7 +24,8 @@ torch's default implementation, as the preset). How the gradients are averaged (
   optimizer per bucket) and all-gather as soon as its reduce-scatter is done;
 - `sharded-copy`: sharded, the slices moved by the copy engines between buffers the ranks map
   from each other, each bucket's reduce-scatter started while backward goes on (the engine's
-  `distributed.exchange=copy`, its `PeerCopyShards` driven by this loop; CUDA only);
+  `distributed.exchange=copy`, its `PeerCopyShards` driven by this loop, the host kept a few
+  steps ahead of the GPU as the engine keeps it, unless `--no-pace`; CUDA only);
 - `zero`: DDP, with PyTorch's `ZeroRedundancyOptimizer` around Adam (each rank updates the whole
   parameters dealt to it, then broadcasts them), as a user with several GPUs writes ZeRO; eager;
 - `none`: each rank trains alone, nothing exchanged: what several processes cost each other on
@@ -296,6 +297,8 @@ def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.d
         elif how == "sharded-copy":  # the engine's own exchange (distributed.exchange=copy), in this loop
             flat = PeerCopyShards(model, size, dist.get_rank(), dist.group.WORLD, args.bucket_mb, timeout_s=300)
             flat.updated = flat.updated()
+            if args.no_pace:  # the host runs ahead as far as the GPU's queue lets it
+                flat.pace = lambda: None
     if side is not None:
         torch.cuda.current_stream(device).wait_stream(side)
     kwargs = {"fused": True} if args.impl == "fused" else {}
@@ -339,6 +342,8 @@ def make_step(model: nn.Module, how: str, args, size: int, feed, device: torch.d
     def replay():
         static_x.copy_(next(feed))
         graph.replay()
+        if how == "sharded-copy":
+            flat.pace()  # as the engine's graphed step, after each replay (eager: inside `zero`)
     return replay
 
 
@@ -379,6 +384,8 @@ def main(argv=None) -> None:
     p.add_argument("--impl", choices=("default", "fused"), default="default", help="Adam's implementation")
     p.add_argument("--profile", action="store_true", help="rank 0's host operators and waits, from torch's profiler")
     p.add_argument("--turns", type=int, default=0, help="rounds of rank 0 alone, then every rank, in turns")
+    p.add_argument("--no-pace", action="store_true",
+                   help="--sync sharded-copy: let the host run ahead of the GPU (the engine keeps it a few steps ahead)")
     args = p.parse_args(argv)
     if args.sync == "sharded-copy" and not torch.cuda.is_available():
         p.error("--sync sharded-copy maps GPU memory across the ranks: it needs CUDA")
@@ -456,6 +463,7 @@ def main(argv=None) -> None:
         print(json.dumps({"world_size": size, "sync": args.sync if size > 1 else "alone", "graph": args.graph,
                           "bind": args.bind, "cores_per_rank": len(cores),
                           "threads": torch.get_num_threads(), "bucket_mb": args.bucket_mb, "impl": args.impl,
+                          **({"paced": not args.no_pace} if args.sync == "sharded-copy" else {}),
                           "ms_per_step": medians,
                           "range": [[round(float(t[1]), 3), round(float(t[2]), 3)] for t in every],
                           "host_ms_per_step": [round(float(t[3]), 3) for t in every],

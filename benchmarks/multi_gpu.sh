@@ -8,7 +8,7 @@
 # Extra arguments go to every launch (e.g. engine.max_steps=100). Each launch is limited to
 # LAUNCH_S seconds (default 240), and all of them to DEADLINE_S from the start (default 330: one
 # device call): one that hangs is stopped, one without time left is skipped and said, and the
-# table shows what finished. On two GPUs the whole script took 304 s (2026-11-28); on four it
+# table shows what finished. On two GPUs the whole script took 257-336 s (2026-11-28); on four it
 # took 298-382 s before the all-reduce rows were added, so there the deadline skips the last parts.
 # At each GPU count, the strategies that feed the GPU from device or page-locked memory also run
 # with the step captured as a CUDA graph, the exchange inside it (loader.drop_last=true: a graph

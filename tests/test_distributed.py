@@ -1074,15 +1074,18 @@ def test_a_module_whose_forward_never_runs_has_its_weights_waited_for_where_they
     assert at_start == [bucket_of[id(model.scale)]] and id(model) not in waits
 
 
-def test_the_peer_watch_releases_the_copy_exchanges_barriers_and_signals_its_own_process():
-    """Another rank failed: the watch aborts the process group, and with distributed.exchange=copy
-    (a barrier kernel no abort reaches) also releases the barriers for the group's timeout and
-    sends its own process SIGTERM, whose handler raises in the main thread (the release itself,
-    on GPUs: tests/test_gpu.py, the failing-rank test)."""
+def test_the_peer_watch_releases_the_copy_exchanges_barriers_and_signals_its_own_process(monkeypatch):
+    """Another rank failed: with distributed.exchange=copy (a barrier kernel that no abort
+    reaches) the watch releases the barriers for the group's timeout and sends its own process
+    SIGTERM, whose handler raises in the main thread, and leaves NCCL alone (its abort would wait
+    for the device, stuck behind the barriers); with DDP or NCCL's exchanges it aborts the
+    process group, and sends no signal (the release itself, on GPUs: tests/test_gpu.py, the
+    failing-rank test)."""
     import signal
     import threading
 
-    got, released = threading.Event(), []
+    got, released, aborted = threading.Event(), [], []
+    monkeypatch.setattr(distributed.dist.distributed_c10d, "_abort_process_group", lambda: aborted.append(True))
     ranks = type("Ranks", (), {"timeout_s": 7.0, "stopped_elsewhere": lambda _: "failed|1|boom",
                                "grads": type("Shards", (), {"release_barriers": lambda _, s: released.append(s)})()})()
     previous = signal.signal(signal.SIGTERM, lambda *_: got.set())
@@ -1092,7 +1095,7 @@ def test_the_peer_watch_releases_the_copy_exchanges_barriers_and_signals_its_own
         assert got.wait(5)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    assert released == [7.0] and not watch._thread.is_alive()
+    assert released == [7.0] and aborted == [] and not watch._thread.is_alive()
     ranks.grads = None  # DDP, or NCCL's exchanges: the abort alone, no signal
     got.clear()
     previous = signal.signal(signal.SIGTERM, lambda *_: got.set())
@@ -1101,6 +1104,7 @@ def test_the_peer_watch_releases_the_copy_exchanges_barriers_and_signals_its_own
         assert not got.wait(0.2)
     finally:
         signal.signal(signal.SIGTERM, previous)
+    assert aborted == [True]
 
 
 def test_the_copy_exchange_keeps_the_host_a_few_steps_ahead_of_the_gpu(monkeypatch):

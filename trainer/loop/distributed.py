@@ -626,12 +626,13 @@ class PeerCopyShards:
     def pace(self) -> None:
         """Once a step (from `zero` when eager; after each replay of a graphed step): the host
         waits until the GPU has finished the step `PACE_STEPS` back. A step of this exchange waits
-        on the GPU for the peers (its barriers): were a peer to die, the host would run on until
-        the GPU's queue is full and then block in a kernel launch, holding Python's lock, so that
-        neither the peer watch (`release_barriers`) nor a signal handler could run. Polling an
-        event with short sleeps lets go of the lock, and of the CPU (a blocking wait on it would
-        spin a core, which the run's host CPU time would count). A step bound by the host never
-        waits here: the GPU is behind it by less than a step."""
+        on the GPU for the peers (its barriers): were a peer to die, the host would otherwise run
+        on until the GPU's queue is full, and `release_barriers` would have all of that to drain
+        before the run can close. Polling an event with short sleeps lets a signal handler run
+        between polls (inside a blocking CUDA call it waits for the call's end), and leaves the CPU
+        free (a blocking wait on the event spins a core, which the run's host CPU time would
+        count). A step bound by the host never waits here: the GPU is behind it by less than a
+        step."""
         event = self.paces[self.pace_at]
         while not event.query():  # True until first recorded
             time.sleep(PACE_POLL_S)
@@ -1131,19 +1132,24 @@ class _PeerWatch:
     def _run(self) -> None:
         while not self._done.wait(self.every_s):
             if self.ranks.stopped_elsewhere():
+                release = getattr(self.ranks.grads, "release_barriers", None)
+                if release is not None:
+                    # distributed.exchange=copy: the loop makes no NCCL call, so NCCL is left as it is.
+                    # Its abort waits as long as the barriers hold the GPU (seen on two H200s: this
+                    # thread stayed in `_abort_process_group` until torchrun's SIGKILL), so that
+                    # it would never reach the release.
+                    release(self.ranks.timeout_s)
+                    # The main thread learns of it as from torchrun's SIGTERM, which it may not
+                    # send (another launcher), or only once the failed rank has exited: the
+                    # handler raises where the run can still save what it measured.
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
                 abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
                 if abort is not None:
                     try:
                         abort()
                     except Exception as e:  # the collective will still time out
                         print(f"warning: could not abort the process group: {e}", file=sys.stderr)
-                release = getattr(self.ranks.grads, "release_barriers", None)
-                if release is not None:  # distributed.exchange=copy: no NCCL call to fail in the loop
-                    # The main thread learns of it as from torchrun's SIGTERM, which it may not
-                    # send (another launcher), or only once the failed rank has exited: the
-                    # handler raises where the run can still save what it measured.
-                    release(self.ranks.timeout_s)
-                    os.kill(os.getpid(), signal.SIGTERM)
                 return
 
     def stop(self) -> None:
