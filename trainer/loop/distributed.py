@@ -1119,7 +1119,8 @@ class _PeerWatch:
     thread polls the store and, when another rank has failed, aborts the process group, which
     ends the wait with an error: the run then closes as FAILED with what it measured. With
     distributed.exchange=copy the wait is in the exchange's barrier kernels instead: it releases
-    them (`PeerCopyShards.release_barriers`) and signals its own process (SIGTERM), whose handler
+    them (`PeerCopyShards.release_barriers`), leaves NCCL unaborted (its abort would wait behind
+    those barriers) and signals its own process (SIGTERM), whose handler
     raises in the main thread once that is free; the run closes FAILED with the other rank's
     error all the same."""
 
